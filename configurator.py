@@ -1,0 +1,93 @@
+"""
+Config files and --key=value flags, read as data and never executed.
+
+    python train.py config/train_small.py --batch_size=32 --compile=True
+
+Each script keeps its defaults as a dict of plain values (train.py: the commented globals at its top).
+Arguments are applied in order: config files (a .py file of literal assignments such as
+`n_layer = 6`), then flags. An unknown key is an error naming it and the closest real key; a value of
+the wrong type is an error naming the key, the value and the expected type. An int is accepted where
+a float is expected; bools are written True/False.
+"""
+import ast
+import difflib
+import os
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check_key(key, defaults, where):
+    if key not in defaults:
+        close = difflib.get_close_matches(key, list(defaults), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def _check_type(key, value, default, where):
+    expected = type(default)
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is not expected:  # bool is a subclass of int: compare exact types
+        raise ConfigError(f"config key '{key}' in {where}: got {value!r} ({type(value).__name__}), "
+                          f"expected {expected.__name__} (default {default!r})")
+    return value
+
+
+def _parse_flag_value(text, default):
+    if isinstance(default, str):
+        try:  # a quoted string is fine too
+            value = ast.literal_eval(text)
+            return value if isinstance(value, str) else text
+        except (ValueError, SyntaxError):
+            return text
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # reported as a type error by _check_type
+
+
+def read_config_file(path):
+    """The {key: value} pairs of a config file made of literal assignments."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist")
+    with open(path) as f:
+        source = f.read()
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as e:
+        raise ConfigError(f"config file '{path}' line {e.lineno}: {e.msg}") from None
+    values = {}
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):
+            raise ConfigError(f"config file '{path}' line {node.lineno}: only `name = literal` "
+                              f"assignments are allowed, got: {ast.get_source_segment(source, node)}")
+        try:
+            values[node.targets[0].id] = ast.literal_eval(node.value)
+        except ValueError:
+            raise ConfigError(f"config file '{path}' line {node.lineno}: the value of "
+                              f"'{node.targets[0].id}' is not a literal (expressions are not "
+                              f"evaluated): {ast.get_source_segment(source, node.value)}") from None
+    return values
+
+
+def configure(defaults, argv):
+    """Apply config files and --key=value flags from argv, in order, to a copy of defaults."""
+    config = dict(defaults)
+    for arg in argv:
+        if arg.startswith('--'):
+            key, sep, text = arg[2:].partition('=')
+            if not sep:
+                raise ConfigError(f"flag '{arg}' has no value: write --{key}=VALUE")
+            _check_key(key, defaults, f"flag '{arg}'")
+            value = _parse_flag_value(text, defaults[key])
+            config[key] = _check_type(key, value, defaults[key], f"flag '{arg}'")
+        else:
+            for key, value in read_config_file(arg).items():
+                _check_key(key, defaults, f"config file '{arg}'")
+                config[key] = _check_type(key, value, defaults[key], f"config file '{arg}'")
+    return config

@@ -1,0 +1,310 @@
+"""
+A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block,
+model, then FLOPs/MFU arithmetic and generation.
+
+Features, each findable by name below:
+- GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden) and shape checks in __post_init__.
+- RMSNorm (torch's own nn.RMSNorm), pre-norm residual blocks, no biases.
+- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers.
+- Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
+  attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
+- MLP: SwiGLU (default), GeGLU or GELU.
+- Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth.
+- Activation checkpointing of whole blocks (`model.activation_checkpointing = 'full'`).
+- flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
+  device's bf16 peak (A100, H100, H200; None for unknown devices).
+- generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024     # longest sequence the model sees
+    vocab_size: int = 50304    # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int = 0         # key/value heads for grouped-query attention; 0 means n_head
+    n_embd: int = 768
+    dropout: float = 0.0
+    qk_norm: bool = False      # RMSNorm on queries and keys before RoPE (stabilizes large-lr training)
+    tie_embeddings: bool = True
+    mlp: str = 'swiglu'        # 'swiglu', 'geglu' or 'gelu'
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    # derived in __post_init__
+    head_dim: int = 0
+    mlp_hidden: int = 0
+
+    def __post_init__(self):
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd'):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be positive")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by "
+                             f"n_kv_head={self.n_kv_head} (each key/value head serves a group of query heads)")
+        self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"GPTConfig: head_dim={self.head_dim} (n_embd/n_head) must be even for RoPE")
+        if self.mlp not in ('swiglu', 'geglu', 'gelu'):
+            raise ValueError(f"GPTConfig: mlp={self.mlp!r}, expected 'swiglu', 'geglu' or 'gelu'")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+        # Gated MLPs have three matrices instead of two: 8/3 * n_embd keeps the parameter count of a
+        # 4 * n_embd GELU MLP (Shazeer 2020). Rounded up to a multiple of 64 for the matmul kernels.
+        hidden = 4 * self.n_embd if self.mlp == 'gelu' else int(8 * self.n_embd / 3)
+        self.mlp_hidden = 64 * math.ceil(hidden / 64)
+
+    def to_dict(self):
+        """The constructor arguments, without the derived sizes (what a checkpoint stores)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ('head_dim', 'mlp_hidden')}
+
+
+# ----------------------------------------------------------------------------------------------------
+# rotary position embedding (Su et al. 2021, https://arxiv.org/abs/2104.09864)
+
+def rope_cache(seq_len, head_dim, base):
+    """cos and sin of shape (seq_len, head_dim // 2): position t rotates channel pair i by t * base^(-2i/d)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate channel pairs (i, i + D/2) of x (B, T, H, D) by the angles of cos/sin (T, D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)  # (1, T, 1, D/2)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        # one matmul for queries, keys and values: (n_head + 2 * n_kv_head) * head_dim outputs
+        self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=False)
+        self.proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.dropout = config.dropout
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        B, T, C = x.size()
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, D)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, Hkv, T_cached + T, D)
+        # NOTE: is_causal aligns the mask to the top-left corner, so with a cache it is only right for a
+        # prefill (empty cache); a single new token attends to every cached position, no mask needed.
+        assert cache is None or T == 1 or k.size(2) == T, "decode one token at a time after the prefill"
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=(T > 1), enable_gqa=(H != Hkv),
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.kind = config.mlp
+        gated = config.mlp != 'gelu'
+        self.up = nn.Linear(config.n_embd, config.mlp_hidden * (2 if gated else 1), bias=False)  # [gate, up] fused
+        self.down = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.kind == 'gelu':
+            h = F.gelu(h)
+        else:  # SwiGLU / GeGLU (Shazeer 2020, https://arxiv.org/abs/2002.05202)
+            gate, h = h.chunk(2, dim=-1)
+            h = (F.silu(gate) if self.kind == 'swiglu' else F.gelu(gate)) * h
+        return F.dropout(self.down(h), self.dropout, self.training)
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class KVCache:
+    """Keys and values of every layer for generation, preallocated: (n_layer, B, n_kv_head, max_len, D)."""
+
+    def __init__(self, config, batch_size, max_len, device, dtype):
+        shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.pos = 0  # tokens already cached; GPT.forward advances it after the last layer
+
+    def update(self, layer, k, v):
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # one matrix embeds tokens and scores them
+        cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base)
+        self.register_buffer('cos', cos, persistent=False)  # recomputed, never saved in checkpoints
+        self.register_buffer('sin', sin, persistent=False)
+        self.activation_checkpointing = 'none'  # 'full': recompute each block in backward
+        self.apply(self._init_weights)
+        # GPT-2: the two projections that write into the residual stream get std / sqrt(2 * n_layer),
+        # so the residual's variance stays about constant with depth.
+        for block in self.blocks:
+            for w in (block.attn.proj.weight, block.mlp.down.weight):
+                nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # a tied matrix is counted once
+
+    def forward(self, idx, targets=None, label_smoothing=0.0, cache=None):
+        """Logits (B, T, vocab_size) and the mean cross-entropy loss when targets are given, else None."""
+        B, T = idx.size()
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        cos, sin = self.cos[start:start + T], self.sin[start:start + T]
+        x = self.drop(self.wte(idx))  # (B, T, C)
+        for layer, block in enumerate(self.blocks):
+            if self.activation_checkpointing == 'full' and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache, layer)
+        if cache is not None:
+            cache.pos += T
+        logits = self.lm_head(self.norm(x))  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                   label_smoothing=label_smoothing)
+        return logits, loss
+
+    # ------------------------------------------------------------------------------------------------
+    # FLOPs and MFU
+
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs (forward + backward) per token.
+
+        6 per matmul weight (2 forward, 4 backward) over every weight that takes part in a matmul:
+        the blocks' linear layers and the output head (the input embedding is a lookup, not a matmul),
+        plus attention's two T x T matmuls: 12 * n_layer * n_head * head_dim * T, the PaLM paper's count
+        (https://arxiv.org/abs/2204.02311, appendix B), which ignores the causal mask's savings, as
+        the published MFU figures do.
+        """
+        c = self.config
+        T = seq_len or c.block_size
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * T
+
+    def estimate_mfu(self, tokens_per_sec, device, dtype='bfloat16', seq_len=None):
+        """Model FLOPs utilization: achieved FLOP/s over the device's peak; None when the peak is unknown."""
+        peak = peak_flops(device, dtype)
+        return None if peak is None else self.flops_per_token(seq_len) * tokens_per_sec / peak
+
+    # ------------------------------------------------------------------------------------------------
+    # generation
+
+    @torch.inference_mode()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+                 vocab_limit=None, generator=None):
+        """Append max_new_tokens tokens to idx (B, T), each predicted from at most the last block_size tokens.
+
+        temperature=0 decodes greedily. top_k keeps the k most likely tokens, top_p the smallest set whose
+        probability reaches p. vocab_limit masks ids >= it (the padding of a padded vocabulary). With
+        use_cache, keys and values are cached while the sequence fits in block_size; past that, each step
+        recomputes the last block_size tokens, exactly as without the cache.
+        """
+        was_training = self.training
+        self.eval()
+        cache = None
+        for _ in range(max_new_tokens):
+            if idx.size(1) > self.config.block_size or not use_cache:
+                logits, _ = self(idx[:, -self.config.block_size:])
+            elif cache is None:  # prefill
+                cache = KVCache(self.config, idx.size(0), self.config.block_size, idx.device, self.wte.weight.dtype)
+                logits, _ = self(idx, cache=cache)
+            else:  # one new token against the cache
+                logits, _ = self(idx[:, -1:], cache=cache)
+            next_token = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, vocab_limit, generator)
+            idx = torch.cat((idx, next_token), dim=1)
+        self.train(was_training)
+        return idx
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=None, generator=None):
+    """One token id per row of logits (B, V): greedy at temperature 0, else sampled after top-k / top-p."""
+    if vocab_limit is not None:
+        logits[:, vocab_limit:] = float('-inf')
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # tokens past the first that reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float('-inf'))
+        logits = torch.full_like(logits, float('-inf')).scatter(-1, order, sorted_logits)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+# dense bf16/fp16 tensor-core peaks from the vendor datasheets, FLOP/s; float32 matmuls run as TF32 at half
+PEAK_BF16_FLOPS = {'A100': 312e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'H200': 989e12}
+
+
+def peak_flops(device, dtype='bfloat16'):
+    """The peak FLOP/s of a CUDA device for this dtype, or None when it is not in the table."""
+    device = torch.device(device)
+    if device.type != 'cuda' or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16_FLOPS.items():  # 'H100 PCIe' is matched before 'H100'
+        if key in name:
+            return peak / 2 if dtype == 'float32' else peak
+    return None

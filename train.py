@@ -1,0 +1,551 @@
+"""
+Train a GPT on the token files that prepare_data.py writes. Read top to bottom: the defaults, the pieces
+of a training run (data, schedule, optimizer, step, eval, checkpoints), then main(), which sets up once
+and runs a loop free of option branches.
+
+    python prepare_data.py && python train.py config/train_small.py       # CPU, a few minutes on 2 cores
+    python train.py config/train_shakespeare_char.py --compile=True       # one GPU
+    python train.py config/train_small.py --init_from=resume              # continue out_dir/ckpt.pt
+
+Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
+keys and wrong types are errors). Features, each findable by name:
+- device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
+  has it, else fp16 with a GradScaler; float32 on CPU; TF32 matmuls on CUDA.
+- data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
+  random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched.
+- train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
+  non-finite losses and gradients away from the weights.
+- configure_optimizer: AdamW, weight decay on matrices only, fused on CUDA; get_lr: warmup + cosine.
+- activation checkpointing, torch.compile (loud fallback to eager if it fails), periodic eval.
+- checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
+  loaded with weights_only=True; exact resume including data and RNG state.
+- SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
+- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl.
+"""
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------------
+# defaults: every name here can be set from a config file or a --key=value flag
+# I/O
+out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best val loss), metrics.jsonl
+data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prepare_data.py
+init_from = 'scratch'           # 'scratch', or 'resume' from out_dir/ckpt.pt
+eval_interval = 250             # evaluate and save a checkpoint every this many iterations
+eval_iters = 50                 # batches per split in each evaluation
+log_interval = 10               # iterations between log lines
+seed = 1337
+# model (model.GPTConfig)
+n_layer = 12
+n_head = 12
+n_kv_head = 0                   # 0: n_head (multi-head attention); fewer: grouped-query attention
+n_embd = 768
+block_size = 1024
+vocab_size = 0                  # 0: the dataset's vocabulary, rounded up to a multiple of 64
+dropout = 0.0
+qk_norm = False
+tie_embeddings = True
+mlp = 'swiglu'                  # 'swiglu', 'geglu' or 'gelu'
+rope_base = 10000.0
+label_smoothing = 0.0
+# batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
+batch_size = 12
+gradient_accumulation_steps = 1
+# AdamW
+learning_rate = 6e-4
+weight_decay = 0.1              # applied to matrices only, never to norms
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0                 # clip the global gradient norm to this; 0 disables clipping
+# learning rate: linear warmup, cosine decay to min_lr at lr_decay_iters, then min_lr
+max_iters = 5000
+warmup_iters = 100
+lr_decay_iters = 0              # 0: max_iters
+min_lr = 6e-5
+# system
+device = 'auto'                 # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16 uses a GradScaler)
+compile = False                 # torch.compile the model
+compile_mode = 'default'        # 'default', 'reduce-overhead' or 'max-autotune'
+activation_checkpointing = 'none'  # 'none', or 'full': recompute each block in backward
+max_nonfinite_steps = 10        # stop after this many consecutive steps with a NaN/inf loss or gradient
+DEFAULTS = {k: v for k, v in dict(globals()).items()
+            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
+# ----------------------------------------------------------------------------------------------------
+
+from configurator import configure, ConfigError  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+MODEL_KEYS = [k for k in GPTConfig().to_dict()]
+SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
+
+
+class TrainError(RuntimeError):
+    """A problem with the run's inputs: reported as one clear message, without a traceback."""
+
+
+def pick_device(name):
+    if name != 'auto':
+        return name
+    if torch.cuda.is_available():
+        return 'cuda'
+    if torch.backends.mps.is_available():
+        return 'mps'
+    return 'cpu'
+
+
+def pick_dtype(name, device_type):
+    """The compute dtype, and why it was chosen."""
+    if name not in ('auto', 'float32', 'bfloat16', 'float16'):
+        raise TrainError(f"dtype={name!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'")
+    if name != 'auto':
+        return name, 'as configured'
+    if device_type == 'cuda':
+        if torch.cuda.is_bf16_supported():
+            return 'bfloat16', 'this GPU supports bf16'
+        return 'float16', 'this GPU has no bf16: fp16 with a GradScaler'
+    return 'float32', f'mixed precision is left off on {device_type} by default'
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+
+def read_meta(data_dir):
+    path = os.path.join(data_dir, 'meta.json')
+    if not os.path.exists(path):
+        raise TrainError(f"{path} not found: prepare the data first, e.g. "
+                         f"`python prepare_data.py --data_dir={data_dir}`")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_tokens(data_dir, split, meta, block_size, vocab_size):
+    """Memory-map data_dir/{split}.bin after checking it against meta.json and the model."""
+    path = os.path.join(data_dir, f'{split}.bin')
+    if not os.path.exists(path):
+        raise TrainError(f"{path} not found: run `python prepare_data.py --data_dir={data_dir}` again")
+    itemsize = np.dtype(meta['dtype']).itemsize
+    size = os.path.getsize(path)
+    expected = meta.get(f'{split}_tokens')
+    if size % itemsize or size // itemsize != expected:
+        raise TrainError(f"{path} has {size} bytes, but meta.json says {expected} tokens of {meta['dtype']} "
+                         f"({expected * itemsize} bytes): the files do not belong together; prepare again")
+    tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
+    if len(tokens) < block_size + 1:
+        raise TrainError(f"{path} holds {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}: "
+                         f"use more text or a smaller block_size")
+    top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24))
+    if top >= min(vocab_size, meta['vocab_size']):
+        raise TrainError(f"{path} holds token id {top}, but the vocabulary has {meta['vocab_size']} ids "
+                         f"(meta.json) and the model {vocab_size}: the data and the config do not match")
+    return tokens
+
+
+class Batches:
+    """Random windows of block_size + 1 tokens, drawn by a seeded generator, one batch prefetched.
+
+    state_dict() is the generator's state before the prefetched batch was drawn, so that a run restored
+    from it draws exactly the batches the original run would have drawn.
+    """
+
+    def __init__(self, tokens, batch_size, block_size, device, seed):
+        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.device, self.seed = torch.device(device), seed
+        self.generator = torch.Generator()
+        self.reset()
+
+    def reset(self):
+        self.generator.manual_seed(self.seed)
+        self._prefetch()
+
+    def _prefetch(self):
+        self.state = self.generator.get_state()
+        T = self.block_size
+        starts = torch.randint(len(self.tokens) - T, (self.batch_size,), generator=self.generator).tolist()
+        buf = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in starts]).astype(np.int64))
+        if self.device.type == 'cuda':  # page-locked memory lets the copy overlap with compute
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        else:
+            buf = buf.to(self.device)
+        self.next_batch = buf[:, :-1], buf[:, 1:]  # inputs and targets, (B, T) each
+
+    def next(self):
+        batch = self.next_batch
+        self._prefetch()
+        return batch
+
+    def state_dict(self):
+        return {'generator': self.state}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state['generator'])
+        self._prefetch()
+
+
+# ----------------------------------------------------------------------------------------------------
+# optimization
+
+def get_lr(it, cfg):
+    """Linear warmup for warmup_iters, cosine decay to min_lr at lr_decay_iters, min_lr after."""
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def configure_optimizer(model, cfg, device_type):
+    """AdamW with weight decay on matrices (embeddings, linear weights) and none on norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
+              {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=(device_type == 'cuda'))
+
+
+def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0):
+    """One optimizer step over accum_steps micro-batches.
+
+    Returns (loss, grad_norm, ok): the mean loss over the micro-batches and the gradient norm before
+    clipping, as tensors, and whether the step reached the weights. A non-finite loss or gradient norm
+    skips the update (with fp16, the GradScaler also skips overflowing steps as usual).
+    NOTE: `ok` costs one host-device sync per optimizer step, none per micro-step.
+    """
+    loss_sum = 0.0
+    for _ in range(accum_steps):
+        x, y = batches.next()
+        with autocast:
+            _, loss = model(x, y, label_smoothing=label_smoothing)
+        loss = loss / accum_steps  # the gradient of the mean over all micro-batches
+        scaler.scale(loss).backward()
+        loss_sum = loss_sum + loss.detach()
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if scaler.is_enabled():  # fp16: an overflowing gradient is the scaler's to skip, a NaN loss is ours
+        ok = bool(torch.isfinite(loss_sum))
+    else:
+        ok = bool(torch.isfinite(loss_sum) & torch.isfinite(norm))
+    if ok:
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, norm, ok
+
+
+@torch.no_grad()
+def estimate_loss(model, splits, eval_iters, autocast):
+    """Mean loss over eval_iters batches of each split; the same batches at every evaluation."""
+    model.eval()
+    out = {}
+    for name, batches in splits.items():
+        batches.reset()
+        total = 0.0
+        for _ in range(eval_iters):
+            x, y = batches.next()
+            with autocast:
+                _, loss = model(x, y)
+            total = total + loss.float()
+        out[name] = (total / eval_iters).item()
+    model.train()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints
+
+def save_checkpoint(path, state):
+    """Write to a temporary file in the same directory, fsync it, then rename it over path.
+
+    A crash or an error (disk full) mid-save leaves the previous checkpoint at path untouched.
+    """
+    tmp = f'{path}.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, Exception):
+            raise TrainError(f"could not save checkpoint {path}: {e} (the previous {path}, if any, "
+                             f"is intact)") from e
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    except OSError:
+        pass  # not every platform can fsync a directory
+
+
+def load_checkpoint(path, device='cpu'):
+    """torch.load with weights_only=True: tensors and plain data only; nothing in the file runs code."""
+    if not os.path.exists(path):
+        raise TrainError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        if 'weights_only' in str(e) or 'Unsupported global' in str(e):
+            raise TrainError(f"refusing to load {path}: it holds objects other than tensors and plain data, "
+                             f"which could run code when loaded ({str(e).splitlines()[0]})") from e
+        raise TrainError(f"checkpoint {path} is corrupt or truncated: {e}") from e
+
+
+def rng_state():
+    state = {'python': random.getstate(), 'numpy': np.random.get_state()[1].tolist(),
+             'torch': torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state['python'])
+    np.random.set_state(('MT19937', np.array(state['numpy'], dtype=np.uint32), 624, 0, 0.0))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def config_diff(old, new, keys):
+    return [f"  {k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def weights_finite(model):
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def peak_memory_mb(device_type):
+    if device_type == 'cuda':
+        return torch.cuda.max_memory_allocated() / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KB on Linux
+    return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def main(argv):
+    cfg = SimpleNamespace(**configure(DEFAULTS, argv))
+    checks = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full'),
+              'compile_mode': ('default', 'reduce-overhead', 'max-autotune')}
+    for key, allowed in checks.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
+    for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval',
+                'eval_iters', 'log_interval', 'max_nonfinite_steps'):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+
+    # ---- device, precision
+    device = pick_device(cfg.device)
+    device_type = torch.device(device).type
+    dtype, dtype_reason = pick_dtype(cfg.dtype, device_type)
+    torch.manual_seed(cfg.seed)
+    if device_type == 'cuda':
+        torch.set_float32_matmul_precision('high')  # TF32 for float32 matmuls
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
+    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+
+    # ---- data, checked before anything is built
+    meta = read_meta(cfg.data_dir)
+    vocab = cfg.vocab_size or 64 * math.ceil(meta['vocab_size'] / 64)
+    if vocab < meta['vocab_size']:
+        raise TrainError(f"vocab_size={vocab} is smaller than the dataset's vocabulary ({meta['vocab_size']}, "
+                         f"{cfg.data_dir}/meta.json)")
+    train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, vocab)
+    val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, vocab)
+    batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed)
+    eval_splits = {'train': Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + 1),
+                   'val': Batches(val_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + 2)}
+
+    # ---- model and optimizer
+    model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
+    model_args['vocab_size'] = vocab
+    model_config = GPTConfig(**model_args)
+    model = GPT(model_config).to(device)  # the original module: checkpoints are saved from it
+    model.activation_checkpointing = cfg.activation_checkpointing
+    optimizer = configure_optimizer(model, cfg, device_type)
+
+    # ---- resume
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt_path, best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
+    metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
+    iter_num, best_val_loss, rng = 0, math.inf, None
+    if cfg.init_from == 'resume':
+        ckpt = load_checkpoint(ckpt_path, device)
+        shape_diff = config_diff(ckpt['model_args'], model_config.to_dict(), SHAPE_KEYS)
+        if shape_diff:
+            raise TrainError(f"the model in {ckpt_path} has another shape than this config:\n"
+                             + "\n".join(shape_diff) + "\nresume with the config the run started with")
+        changed = config_diff(ckpt['config'], vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
+        if changed:
+            print("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
+        model.load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scaler.load_state_dict(ckpt['scaler'])
+        batches.load_state_dict(ckpt['batches'])
+        iter_num, best_val_loss, rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
+        print(f"resuming from {ckpt_path} at iteration {iter_num} (best val loss {best_val_loss:.4f})")
+        del ckpt
+        if os.path.exists(metrics_path):  # drop lines logged after the checkpoint: they are replayed
+            with open(metrics_path) as f:
+                lines = [ln for ln in f if json.loads(ln)['iter'] <= iter_num]
+            with open(metrics_path, 'w') as f:
+                f.writelines(lines)
+    elif any(os.path.exists(p) for p in (ckpt_path, best_path, metrics_path)):
+        keep = os.path.join(cfg.out_dir, time.strftime('previous-%Y%m%d-%H%M%S'))
+        os.makedirs(keep)
+        for p in (ckpt_path, best_path, metrics_path):
+            if os.path.exists(p):
+                shutil.move(p, keep)
+        print(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
+    start_iter = iter_num
+
+    # ---- compile
+    compiled, compile_note = model, 'off'
+    if cfg.compile:
+        compiled = torch.compile(model, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
+        try:  # compilation happens at the first call: do it now, on throwaway data, to catch failures
+            with torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
+                x, y = eval_splits['train'].next_batch  # a real batch (same shapes and strides), not consumed
+                with autocast:
+                    compiled(x, y, label_smoothing=cfg.label_smoothing)[1].backward()
+                compiled.eval()
+                with torch.no_grad(), autocast:
+                    compiled(x, y)
+                compiled.train()
+            optimizer.zero_grad(set_to_none=True)
+            compile_note = f'on (mode {cfg.compile_mode})'
+        except Exception as e:
+            bar = '!' * 100
+            print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
+                  f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
+            compiled, compile_note = model, 'FAILED, running eager (see the warning above)'
+            optimizer.zero_grad(set_to_none=True)
+            model.train()
+
+    # ---- report what this run is
+    width = max(map(len, DEFAULTS))
+    print("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
+    tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
+          f"token, vocab {vocab} ({meta['tokenizer']}, {meta['vocab_size']} used), "
+          f"{tokens_per_iter:,} tokens per iteration")
+    print("optimizations:")
+    print(f"  device            {device}")
+    print(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
+    print(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    print(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
+    print(f"  fused AdamW       {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    print(f"  compile           {compile_note}")
+    print(f"  act. checkpoint   {cfg.activation_checkpointing}")
+    print(f"  pinned memory     {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+
+    # ---- preemption: finish the step, save, exit
+    stop = {}
+    def request_stop(signum, frame):
+        stop['signal'] = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping after this step", flush=True)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, request_stop)
+
+    def checkpoint_state():
+        return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+                'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg),
+                'model_args': model_config.to_dict(), 'meta': meta, 'batches': batches.state_dict(),
+                'rng': rng_state(), 'argv': list(argv)}
+
+    def save(path):
+        if not weights_finite(model):
+            raise TrainError(f"iteration {iter_num}: the weights hold NaN/inf; not saving {path}")
+        save_checkpoint(path, checkpoint_state())
+
+    def log(record):
+        with open(metrics_path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+
+    resume_cmd = ' '.join(['python', sys.argv[0] if sys.argv[0].endswith('.py') else 'train.py']
+                          + [a for a in argv if not a.startswith('--init_from=')] + ['--init_from=resume'])
+
+    # ---- training loop
+    if rng is not None:
+        set_rng_state(rng)
+    bad_steps, skipped, saved_iter = 0, 0, (iter_num if cfg.init_from == 'resume' else None)
+    t0, t0_iter = time.time(), iter_num
+    while True:
+        if iter_num % cfg.eval_interval == 0 and not (iter_num == start_iter and cfg.init_from == 'resume'):
+            losses = estimate_loss(compiled, eval_splits, cfg.eval_iters, autocast)
+            print(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            log({'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
+            if losses['val'] < best_val_loss:
+                best_val_loss = losses['val']
+                save(best_path)
+            save(ckpt_path)
+            saved_iter = iter_num
+            t0, t0_iter = time.time(), iter_num  # keep evaluation out of the throughput figures
+        if iter_num >= cfg.max_iters:
+            break
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        loss, norm, ok = train_step(compiled, optimizer, scaler, batches, cfg.gradient_accumulation_steps,
+                                    autocast, cfg.grad_clip, cfg.label_smoothing)
+        iter_num += 1
+        if not ok:
+            bad_steps, skipped = bad_steps + 1, skipped + 1
+            print(f"iter {iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
+                  f"step skipped ({bad_steps} in a row)", file=sys.stderr)
+            if bad_steps >= cfg.max_nonfinite_steps:
+                raise TrainError(f"iteration {iter_num}: {bad_steps} consecutive steps with a non-finite loss or "
+                                 f"gradient; stopping. The last good checkpoint is {ckpt_path} "
+                                 f"(iteration {saved_iter}); lower learning_rate or check the data")
+        else:
+            bad_steps = 0
+        if ok and iter_num % cfg.log_interval == 0:
+            loss = loss.item()  # the one sync of a log step
+            dt = time.time() - t0
+            ms_per_iter = 1000 * dt / max(1, iter_num - t0_iter)
+            tokens_per_sec = tokens_per_iter * (iter_num - t0_iter) / dt
+            mfu = model.estimate_mfu(tokens_per_sec, device, dtype, cfg.block_size)
+            mem = peak_memory_mb(device_type)
+            left = (cfg.max_iters - iter_num) * ms_per_iter / 1000
+            print(f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
+                  f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
+                  + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
+                  + (f", {skipped} steps skipped" if skipped else ''))
+            log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
+                 'peak_mem_mb': mem})
+            t0, t0_iter = time.time(), iter_num
+        if stop:
+            save(ckpt_path)
+            name = signal.Signals(stop['signal']).name
+            print(f"{name}: saved {ckpt_path} at iteration {iter_num}. Resume with:\n  {resume_cmd}")
+            return 128 + stop['signal']
+    if saved_iter != iter_num:
+        save(ckpt_path)
+    print(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
+    return 0
+
+
+if __name__ == '__main__':
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ConfigError, TrainError) as e:
+        sys.exit(f"train.py: error: {e}")
