@@ -276,7 +276,10 @@ class GPT(nn.Module):
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=None, generator=None):
     """One token id per row of logits (B, V): greedy at temperature 0, else sampled after top-k / top-p."""
+    if not 0.0 < (top_p or 1.0) <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
     if vocab_limit is not None:
+        logits = logits.clone()
         logits[:, vocab_limit:] = float('-inf')
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)

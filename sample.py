@@ -33,6 +33,11 @@ DEFAULTS = dict(
 
 def main(argv):
     cfg = configure(DEFAULTS, argv)
+    for key, ok in (('num_samples', cfg['num_samples'] >= 1), ('max_new_tokens', cfg['max_new_tokens'] >= 0),
+                    ('temperature', cfg['temperature'] >= 0), ('top_k', cfg['top_k'] >= 0),
+                    ('top_p', 0 < cfg['top_p'] <= 1)):
+        if not ok:
+            raise ConfigError(f"{key}={cfg[key]} is out of range (see the defaults in sample.py)")
     device = pick_device(cfg['device'])
     device_type = torch.device(device).type
     dtype, _ = pick_dtype(cfg['dtype'], device_type)

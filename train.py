@@ -6,6 +6,8 @@ and runs a loop free of option branches.
     python prepare_data.py && python train.py config/train_small.py       # CPU, a few minutes on 2 cores
     python train.py config/train_shakespeare_char.py --compile=True       # one GPU
     python train.py config/train_small.py --init_from=resume              # continue out_dir/ckpt.pt
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py  # 8 GPUs, DDP
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --parallelism=fsdp
 
 Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
 keys and wrong types are errors). Features, each findable by name:
@@ -20,22 +22,32 @@ keys and wrong types are errors). Features, each findable by name:
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
   loaded with weights_only=True; exact resume including data and RNG state.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
+- torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
+  every process draws the same windows and takes its share (Batches), so results and checkpoints do not
+  depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl.
 """
 import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
 import sys
+import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 # ----------------------------------------------------------------------------------------------------
 # defaults: every name here can be set from a config file or a --key=value flag
@@ -81,6 +93,7 @@ compile = False                 # torch.compile the model
 compile_mode = 'default'        # 'default', 'reduce-overhead' or 'max-autotune'
 activation_checkpointing = 'none'  # 'none', or 'full': recompute each block in backward
 max_nonfinite_steps = 10        # stop after this many consecutive steps with a NaN/inf loss or gradient
+parallelism = 'ddp'             # under torchrun: 'ddp' (replicate the model) or 'fsdp' (FSDP2: shard it)
 DEFAULTS = {k: v for k, v in dict(globals()).items()
             if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 # ----------------------------------------------------------------------------------------------------
@@ -90,6 +103,8 @@ from model import GPT, GPTConfig  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
+CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
+                   'batches', 'rng', 'evaluated')
 
 
 class TrainError(RuntimeError):
@@ -127,8 +142,15 @@ def read_meta(data_dir):
     if not os.path.exists(path):
         raise TrainError(f"{path} not found: prepare the data first, e.g. "
                          f"`python prepare_data.py --data_dir={data_dir}`")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TrainError(f"{path} is not readable JSON ({e}): prepare the data again") from None
+    missing = [k for k in ('tokenizer', 'vocab_size', 'dtype', 'train_tokens', 'val_tokens') if k not in meta]
+    if missing:
+        raise TrainError(f"{path} lacks {', '.join(missing)}: prepare the data again")
+    return meta
 
 
 def load_tokens(data_dir, split, meta, block_size, vocab_size):
@@ -142,10 +164,10 @@ def load_tokens(data_dir, split, meta, block_size, vocab_size):
     if size % itemsize or size // itemsize != expected:
         raise TrainError(f"{path} has {size} bytes, but meta.json says {expected} tokens of {meta['dtype']} "
                          f"({expected * itemsize} bytes): the files do not belong together; prepare again")
-    tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
-    if len(tokens) < block_size + 1:
-        raise TrainError(f"{path} holds {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}: "
+    if expected < block_size + 1:
+        raise TrainError(f"{path} holds {expected} tokens, fewer than block_size + 1 = {block_size + 1}: "
                          f"use more text or a smaller block_size")
+    tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
     top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, len(tokens), 1 << 24))
     if top >= min(vocab_size, meta['vocab_size']):
         raise TrainError(f"{path} holds token id {top}, but the vocabulary has {meta['vocab_size']} ids "
@@ -156,25 +178,34 @@ def load_tokens(data_dir, split, meta, block_size, vocab_size):
 class Batches:
     """Random windows of block_size + 1 tokens, drawn by a seeded generator, one batch prefetched.
 
-    state_dict() is the generator's state before the prefetched batch was drawn, so that a run restored
-    from it draws exactly the batches the original run would have drawn.
+    Each draw takes `groups` micro-batches of batch_size windows for the whole job (an optimizer step's
+    worth when training); process `rank` of `world` keeps micro-batches rank, rank + world, ... Every
+    process draws the same windows, so what a step sees does not depend on the number of processes.
+    state_dict() is the generator's state before the draw of the prefetched batch: restored, it makes a
+    run draw exactly the batches the original run would have drawn next.
     """
 
-    def __init__(self, tokens, batch_size, block_size, device, seed):
+    def __init__(self, tokens, batch_size, block_size, device, seed, groups=1, rank=0, world=1):
         self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
         self.device, self.seed = torch.device(device), seed
+        self.groups, self.rank, self.world = groups, rank, world
+        self.share = len(range(rank, groups, world))  # micro-batches of each draw that are this rank's
         self.generator = torch.Generator()
         self.reset()
 
     def reset(self):
         self.generator.manual_seed(self.seed)
+        self.queue = []
         self._prefetch()
 
     def _prefetch(self):
-        self.state = self.generator.get_state()
+        if not self.queue:
+            self.state = self.generator.get_state()
+            starts = torch.randint(len(self.tokens) - self.block_size, (self.groups, self.batch_size),
+                                   generator=self.generator)
+            self.queue = starts[self.rank::self.world].tolist()
         T = self.block_size
-        starts = torch.randint(len(self.tokens) - T, (self.batch_size,), generator=self.generator).tolist()
-        buf = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in starts]).astype(np.int64))
+        buf = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in self.queue.pop(0)]).astype(np.int64))
         if self.device.type == 'cuda':  # page-locked memory lets the copy overlap with compute
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         else:
@@ -191,6 +222,7 @@ class Batches:
 
     def load_state_dict(self, state):
         self.generator.set_state(state['generator'])
+        self.queue = []
         self._prefetch()
 
 
@@ -217,24 +249,31 @@ def configure_optimizer(model, cfg, device_type):
                              fused=(device_type == 'cuda'))
 
 
-def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0):
-    """One optimizer step over accum_steps micro-batches.
+def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0,
+               grad_sync=lambda last: nullcontext()):
+    """One optimizer step over this process's accum_steps micro-batches.
 
-    Returns (loss, grad_norm, ok): the mean loss over the micro-batches and the gradient norm before
-    clipping, as tensors, and whether the step reached the weights. A non-finite loss or gradient norm
-    skips the update (with fp16, the GradScaler also skips overflowing steps as usual).
-    NOTE: `ok` costs one host-device sync per optimizer step, none per micro-step.
+    Returns (loss, grad_norm, ok): the mean loss over the step's micro-batches (of all processes) and the
+    gradient norm before clipping, as tensors, and whether the step reached the weights. A non-finite
+    loss or gradient norm skips the update (with fp16, the GradScaler also skips overflowing steps).
+    grad_sync(last) is the context of each micro-step: under DDP/FSDP it all-reduces gradients on the
+    last one only. NOTE: `ok` costs one host-device sync per optimizer step, none per micro-step.
     """
     loss_sum = 0.0
-    for _ in range(accum_steps):
+    for micro in range(accum_steps):
         x, y = batches.next()
-        with autocast:
-            _, loss = model(x, y, label_smoothing=label_smoothing)
-        loss = loss / accum_steps  # the gradient of the mean over all micro-batches
-        scaler.scale(loss).backward()
+        with grad_sync(micro == accum_steps - 1):
+            with autocast:
+                _, loss = model(x, y, label_smoothing=label_smoothing)
+            loss = loss / accum_steps  # DDP/FSDP average over processes: the mean over all micro-batches
+            scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+        loss_sum = loss_sum / dist.get_world_size()
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    norm = norm.full_tensor() if hasattr(norm, 'full_tensor') else norm  # FSDP: a DTensor
     if scaler.is_enabled():  # fp16: an overflowing gradient is the scaler's to skip, a NaN loss is ours
         ok = bool(torch.isfinite(loss_sum))
     else:
@@ -248,17 +287,19 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
 
 @torch.no_grad()
 def estimate_loss(model, splits, eval_iters, autocast):
-    """Mean loss over eval_iters batches of each split; the same batches at every evaluation."""
+    """Mean loss over eval_iters batches of each split (shared among processes); the same every time."""
     model.eval()
     out = {}
     for name, batches in splits.items():
         batches.reset()
-        total = 0.0
-        for _ in range(eval_iters):
+        total = torch.zeros((), device=batches.device)
+        for _ in range(batches.share):
             x, y = batches.next()
             with autocast:
                 _, loss = model(x, y)
-            total = total + loss.float()
+            total += loss.float()
+        if dist.is_initialized():
+            dist.all_reduce(total)
         out[name] = (total / eval_iters).item()
     model.train()
     return out
@@ -301,14 +342,17 @@ def load_checkpoint(path, device='cpu'):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        if 'weights_only' in str(e) or 'Unsupported global' in str(e):
-            raise TrainError(f"refusing to load {path}: it holds objects other than tensors and plain data, "
-                             f"which could run code when loaded ({str(e).splitlines()[0]})") from e
-        raise TrainError(f"checkpoint {path} is corrupt or truncated: {e}") from e
+        code = re.search(r'GLOBAL (\S+)', str(e))  # the pickle names a function or class to import
+        if code:
+            raise TrainError(f"refusing to load {path}: besides tensors and plain data it asks to import "
+                             f"{code.group(1)}, which could run code when loaded") from None
+        detail = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        raise TrainError(f"checkpoint {path} is corrupt or truncated: {detail}") from None
 
 
 def rng_state():
-    state = {'python': random.getstate(), 'numpy': np.random.get_state()[1].tolist(),
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {'python': random.getstate(), 'numpy': [keys.tolist(), pos, has_gauss, gauss],
              'torch': torch.get_rng_state()}
     if torch.cuda.is_available():
         state['cuda'] = torch.cuda.get_rng_state_all()
@@ -317,7 +361,8 @@ def rng_state():
 
 def set_rng_state(state):
     random.setstate(state['python'])
-    np.random.set_state(('MT19937', np.array(state['numpy'], dtype=np.uint32), 624, 0, 0.0))
+    keys, pos, has_gauss, gauss = state['numpy']
+    np.random.set_state(('MT19937', np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state['torch'])
     if 'cuda' in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
@@ -328,7 +373,16 @@ def config_diff(old, new, keys):
 
 
 def weights_finite(model):
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return all(bool(torch.isfinite(p.to_local() if hasattr(p, 'to_local') else p).all()) for p in model.parameters())
+
+
+def agree(flag, device, every=True):
+    """One bool for all processes: whether the flag is true in every process (every=True) or in any."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if every else dist.ReduceOp.MAX)
+    return bool(t)
 
 
 def peak_memory_mb(device_type):
@@ -338,12 +392,29 @@ def peak_memory_mb(device_type):
     return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
 
 
+@contextmanager
+def stop_on_signals():
+    """While inside, SIGTERM and SIGINT set stop['signal'] instead of killing the process."""
+    stop = {}
+
+    def request_stop(signum, frame):
+        stop['signal'] = signum
+        print(f"\n{signal.Signals(signum).name} received: stopping after this step", flush=True)
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 # ----------------------------------------------------------------------------------------------------
 
 def main(argv):
+    """Check the config, join the other processes under torchrun, run, leave."""
     cfg = SimpleNamespace(**configure(DEFAULTS, argv))
     checks = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full'),
-              'compile_mode': ('default', 'reduce-overhead', 'max-autotune')}
+              'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp')}
     for key, allowed in checks.items():
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -351,12 +422,33 @@ def main(argv):
                 'eval_iters', 'log_interval', 'max_nonfinite_steps'):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
-
-    # ---- device, precision
+    # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain run is process 0 of 1
+    rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
+    if cfg.gradient_accumulation_steps % world:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is the global number of "
+                          f"micro-batches per step and must be divisible by the number of processes ({world})")
     device = pick_device(cfg.device)
+    if world > 1 and device == 'cuda':
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    if torch.device(device).type == 'cuda':
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
+    try:
+        return run(cfg, argv, device, rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(cfg, argv, device, rank, world):
+    master = rank == 0  # the one process that prints, logs and writes files
+    say = print if master else (lambda *args, **kwargs: None)
+    accum_steps = cfg.gradient_accumulation_steps // world  # this process's share of the micro-batches
+
+    # ---- precision
     device_type = torch.device(device).type
     dtype, dtype_reason = pick_dtype(cfg.dtype, device_type)
-    torch.manual_seed(cfg.seed)
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # TF32 for float32 matmuls
     ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
@@ -371,57 +463,83 @@ def main(argv):
                          f"{cfg.data_dir}/meta.json)")
     train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, vocab)
     val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, vocab)
-    batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed)
-    eval_splits = {'train': Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + 1),
-                   'val': Batches(val_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + 2)}
+    batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
+                      cfg.gradient_accumulation_steps, rank, world)
+    eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
+                   for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
 
     # ---- model and optimizer
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
     model_args['vocab_size'] = vocab
     model_config = GPTConfig(**model_args)
+    torch.manual_seed(cfg.seed)  # the same initial weights in every process
     model = GPT(model_config).to(device)  # the original module: checkpoints are saved from it
     model.activation_checkpointing = cfg.activation_checkpointing
+    torch.manual_seed(cfg.seed + rank)  # different dropout masks in each process
+
+    # ---- parallelism: DDP replicates the model, FSDP2 shards parameters, gradients and optimizer state
+    wrapped, grad_sync, parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
+    if world > 1 and cfg.parallelism == 'ddp':
+        wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None)
+        grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
+        parallel_note = f'DDP, {world} processes'
+    elif world > 1:
+        if dtype == 'float16':
+            raise ConfigError("parallelism='fsdp' runs in bfloat16 or float32, not float16: set dtype")
+        # FSDP's mixed-precision policy computes in ptdtype and reduces gradients in float32; it takes the
+        # place of autocast
+        policy = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        autocast = nullcontext()
+        # the gradients are reduce-scattered after the last micro-step only
+        grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
+        parallel_note = f'FSDP2, {world} processes'
     optimizer = configure_optimizer(model, cfg, device_type)
 
     # ---- resume
     os.makedirs(cfg.out_dir, exist_ok=True)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
     ckpt_path, best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    iter_num, best_val_loss, rng = 0, math.inf, None
+    iter_num, best_val_loss, rng, last_eval = 0, math.inf, None, None
     if cfg.init_from == 'resume':
-        ckpt = load_checkpoint(ckpt_path, device)
+        ckpt = load_checkpoint(ckpt_path, 'cpu')
+        missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
+        if missing:
+            raise TrainError(f"{ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
         shape_diff = config_diff(ckpt['model_args'], model_config.to_dict(), SHAPE_KEYS)
         if shape_diff:
             raise TrainError(f"the model in {ckpt_path} has another shape than this config:\n"
                              + "\n".join(shape_diff) + "\nresume with the config the run started with")
         changed = config_diff(ckpt['config'], vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
         if changed:
-            print("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
-        model.load_state_dict(ckpt['model'])
-        optimizer.load_state_dict(ckpt['optimizer'])
+            say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
+        set_model_state_dict(model, ckpt['model'], options=full)
+        set_optimizer_state_dict(model, optimizer, ckpt['optimizer'], options=full)
         scaler.load_state_dict(ckpt['scaler'])
         batches.load_state_dict(ckpt['batches'])
         iter_num, best_val_loss, rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
-        print(f"resuming from {ckpt_path} at iteration {iter_num} (best val loss {best_val_loss:.4f})")
+        last_eval = iter_num if ckpt['evaluated'] else None
+        say(f"resuming from {ckpt_path} at iteration {iter_num} (best val loss {best_val_loss:.4f})")
         del ckpt
-        if os.path.exists(metrics_path):  # drop lines logged after the checkpoint: they are replayed
+        if master and os.path.exists(metrics_path):  # drop lines logged after the checkpoint: they are replayed
             with open(metrics_path) as f:
                 lines = [ln for ln in f if json.loads(ln)['iter'] <= iter_num]
             with open(metrics_path, 'w') as f:
                 f.writelines(lines)
-    elif any(os.path.exists(p) for p in (ckpt_path, best_path, metrics_path)):
-        keep = os.path.join(cfg.out_dir, time.strftime('previous-%Y%m%d-%H%M%S'))
-        os.makedirs(keep)
+    elif master and any(os.path.exists(p) for p in (ckpt_path, best_path, metrics_path)):
+        keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
         for p in (ckpt_path, best_path, metrics_path):
             if os.path.exists(p):
                 shutil.move(p, keep)
-        print(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
-    start_iter = iter_num
+        say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
 
     # ---- compile
-    compiled, compile_note = model, 'off'
+    compiled, compile_note = wrapped, 'off'
     if cfg.compile:
-        compiled = torch.compile(model, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
+        compiled = torch.compile(wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
         try:  # compilation happens at the first call: do it now, on throwaway data, to catch failures
             with torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
                 x, y = eval_splits['train'].next_batch  # a real batch (same shapes and strides), not consumed
@@ -437,111 +555,110 @@ def main(argv):
             bar = '!' * 100
             print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
                   f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
-            compiled, compile_note = model, 'FAILED, running eager (see the warning above)'
+            compiled, compile_note = wrapped, 'FAILED, running eager (see the warning above)'
             optimizer.zero_grad(set_to_none=True)
             model.train()
 
     # ---- report what this run is
     width = max(map(len, DEFAULTS))
-    print("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
+    say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
+    say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
           f"token, vocab {vocab} ({meta['tokenizer']}, {meta['vocab_size']} used), "
           f"{tokens_per_iter:,} tokens per iteration")
-    print("optimizations:")
-    print(f"  device            {device}")
-    print(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
-    print(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
-    print(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
-    print(f"  fused AdamW       {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
-    print(f"  compile           {compile_note}")
-    print(f"  act. checkpoint   {cfg.activation_checkpointing}")
-    print(f"  pinned memory     {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    say("optimizations:")
+    say(f"  device            {device}")
+    say(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
+    say(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    say(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
+    say(f"  fused AdamW       {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    say(f"  parallelism       {parallel_note}")
+    say(f"  compile           {compile_note}")
+    say(f"  act. checkpoint   {cfg.activation_checkpointing}")
+    say(f"  pinned memory     {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
 
-    # ---- preemption: finish the step, save, exit
-    stop = {}
-    def request_stop(signum, frame):
-        stop['signal'] = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after this step", flush=True)
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, request_stop)
-
-    def checkpoint_state():
-        return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
-                'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': vars(cfg),
-                'model_args': model_config.to_dict(), 'meta': meta, 'batches': batches.state_dict(),
-                'rng': rng_state(), 'argv': list(argv)}
-
-    def save(path):
-        if not weights_finite(model):
+    def save(path):  # every process takes part (FSDP gathers the shards); process 0 writes
+        if not agree(weights_finite(model), device):
             raise TrainError(f"iteration {iter_num}: the weights hold NaN/inf; not saving {path}")
-        save_checkpoint(path, checkpoint_state())
+        rngs = [None] * world
+        dist.all_gather_object(rngs, rng_state()) if world > 1 else rngs.__setitem__(0, rng_state())
+        state = {'model': get_model_state_dict(model, options=full),
+                 'optimizer': get_optimizer_state_dict(model, optimizer, options=full),
+                 'scaler': scaler.state_dict(), 'iter_num': iter_num, 'best_val_loss': best_val_loss,
+                 'config': vars(cfg), 'model_args': model_config.to_dict(), 'meta': meta,
+                 'batches': batches.state_dict(), 'rng': rngs, 'argv': list(argv),
+                 'evaluated': last_eval == iter_num}
+        if master:
+            save_checkpoint(path, state)
 
     def log(record):
-        with open(metrics_path, 'a') as f:
-            f.write(json.dumps(record) + '\n')
+        if master:
+            with open(metrics_path, 'a') as f:
+                f.write(json.dumps(record) + '\n')
 
     resume_cmd = ' '.join(['python', sys.argv[0] if sys.argv[0].endswith('.py') else 'train.py']
                           + [a for a in argv if not a.startswith('--init_from=')] + ['--init_from=resume'])
 
     # ---- training loop
-    if rng is not None:
-        set_rng_state(rng)
-    bad_steps, skipped, saved_iter = 0, 0, (iter_num if cfg.init_from == 'resume' else None)
-    t0, t0_iter = time.time(), iter_num
-    while True:
-        if iter_num % cfg.eval_interval == 0 and not (iter_num == start_iter and cfg.init_from == 'resume'):
-            losses = estimate_loss(compiled, eval_splits, cfg.eval_iters, autocast)
-            print(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log({'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
-            if losses['val'] < best_val_loss:
-                best_val_loss = losses['val']
-                save(best_path)
+    with stop_on_signals() as stop:
+        if rng is not None:  # each process its own RNG state; one that the checkpoint lacks is seeded anew
+            set_rng_state(rng[rank]) if rank < len(rng) else torch.manual_seed(cfg.seed + rank + iter_num)
+        bad_steps, skipped, saved_iter = 0, 0, (iter_num if cfg.init_from == 'resume' else None)
+        t0, t0_iter = time.time(), iter_num
+        while True:
+            if iter_num % cfg.eval_interval == 0 and last_eval != iter_num:
+                losses = estimate_loss(compiled, eval_splits, cfg.eval_iters, autocast)
+                say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                log({'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
+                last_eval = iter_num
+                if losses['val'] < best_val_loss:
+                    best_val_loss = losses['val']
+                    save(best_path)
+                save(ckpt_path)
+                saved_iter = iter_num
+                t0, t0_iter = time.time(), iter_num  # keep evaluation out of the throughput figures
+            if iter_num >= cfg.max_iters:
+                break
+            lr = get_lr(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group['lr'] = lr
+            loss, norm, ok = train_step(compiled, optimizer, scaler, batches, accum_steps, autocast,
+                                        cfg.grad_clip, cfg.label_smoothing, grad_sync)
+            iter_num += 1
+            if not ok:
+                bad_steps, skipped = bad_steps + 1, skipped + 1
+                say(f"iter {iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
+                      f"step skipped ({bad_steps} in a row)", file=sys.stderr)
+                if bad_steps >= cfg.max_nonfinite_steps:
+                    raise TrainError(f"iteration {iter_num}: {bad_steps} consecutive steps with a non-finite loss or "
+                                     f"gradient; stopping. The last good checkpoint is {ckpt_path} "
+                                     f"(iteration {saved_iter}); lower learning_rate or check the data")
+            else:
+                bad_steps = 0
+            if ok and iter_num % cfg.log_interval == 0:
+                loss = loss.item()  # the one sync of a log step
+                dt = time.time() - t0
+                ms_per_iter = 1000 * dt / max(1, iter_num - t0_iter)
+                tokens_per_sec = tokens_per_iter * (iter_num - t0_iter) / dt
+                mfu = model.estimate_mfu(tokens_per_sec / world, device, dtype, cfg.block_size)  # per GPU
+                mem = peak_memory_mb(device_type)
+                left = (cfg.max_iters - iter_num) * ms_per_iter / 1000
+                say(f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
+                      f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
+                      + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
+                      + (f", {skipped} steps skipped" if skipped else ''))
+                log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
+                     'peak_mem_mb': mem})
+                t0, t0_iter = time.time(), iter_num
+            if agree(bool(stop), device, every=False):  # a signal to any process stops them all, at one step
+                save(ckpt_path)
+                name = signal.Signals(stop.get('signal', signal.SIGTERM)).name
+                say(f"{name}: saved {ckpt_path} at iteration {iter_num}. Resume with:\n  {resume_cmd}")
+                return 128 + stop.get('signal', signal.SIGTERM)
+        if saved_iter != iter_num:
             save(ckpt_path)
-            saved_iter = iter_num
-            t0, t0_iter = time.time(), iter_num  # keep evaluation out of the throughput figures
-        if iter_num >= cfg.max_iters:
-            break
-        lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
-        loss, norm, ok = train_step(compiled, optimizer, scaler, batches, cfg.gradient_accumulation_steps,
-                                    autocast, cfg.grad_clip, cfg.label_smoothing)
-        iter_num += 1
-        if not ok:
-            bad_steps, skipped = bad_steps + 1, skipped + 1
-            print(f"iter {iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
-                  f"step skipped ({bad_steps} in a row)", file=sys.stderr)
-            if bad_steps >= cfg.max_nonfinite_steps:
-                raise TrainError(f"iteration {iter_num}: {bad_steps} consecutive steps with a non-finite loss or "
-                                 f"gradient; stopping. The last good checkpoint is {ckpt_path} "
-                                 f"(iteration {saved_iter}); lower learning_rate or check the data")
-        else:
-            bad_steps = 0
-        if ok and iter_num % cfg.log_interval == 0:
-            loss = loss.item()  # the one sync of a log step
-            dt = time.time() - t0
-            ms_per_iter = 1000 * dt / max(1, iter_num - t0_iter)
-            tokens_per_sec = tokens_per_iter * (iter_num - t0_iter) / dt
-            mfu = model.estimate_mfu(tokens_per_sec, device, dtype, cfg.block_size)
-            mem = peak_memory_mb(device_type)
-            left = (cfg.max_iters - iter_num) * ms_per_iter / 1000
-            print(f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
-                  f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
-                  + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
-                  + (f", {skipped} steps skipped" if skipped else ''))
-            log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
-                 'peak_mem_mb': mem})
-            t0, t0_iter = time.time(), iter_num
-        if stop:
-            save(ckpt_path)
-            name = signal.Signals(stop['signal']).name
-            print(f"{name}: saved {ckpt_path} at iteration {iter_num}. Resume with:\n  {resume_cmd}")
-            return 128 + stop['signal']
-    if saved_iter != iter_num:
-        save(ckpt_path)
-    print(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
-    return 0
+        say(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
+        return 0
 
 
 if __name__ == '__main__':

@@ -1,0 +1,772 @@
+"""
+Failure tests for train.py: each injects a fault (an interruption, a full disk, a NaN, a hostile or broken
+checkpoint, a changed config, bad data, an earlier run in out_dir) and checks the documented guarantee
+(README, "Resuming and failures") against a reference that a wrong implementation would not meet:
+an uninterrupted run, the bytes of the previous checkpoint, the weights before a skipped step, scripted
+evaluation losses, and so on. Tiny models and datasets; CPU, float32.
+
+    python -m pytest -q test_failures.py
+"""
+import copy
+import glob
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import model as model_module
+import train
+from configurator import ConfigError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+V = 40
+TINY = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
+        '--batch_size=4', '--eval_iters=2', '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2',
+        '--min_lr=1e-3']
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+def write_data(d, vocab=V, n_train=2000, n_val=400, train_tokens=None, val_tokens=None, seed=0, **meta_over):
+    """train.bin / val.bin of uniform random ids in [0, vocab) and a char-level meta.json."""
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tr = rng.integers(0, vocab, n_train).astype(np.uint16) if train_tokens is None else np.asarray(train_tokens, np.uint16)
+    va = rng.integers(0, vocab, n_val).astype(np.uint16) if val_tokens is None else np.asarray(val_tokens, np.uint16)
+    tr.tofile(os.path.join(d, 'train.bin'))
+    va.tofile(os.path.join(d, 'val.bin'))
+    meta = dict(tokenizer='char', vocab_size=vocab, dtype='uint16', train_tokens=len(tr), val_tokens=len(va),
+                chars=''.join(chr(0x100 + i) for i in range(vocab)))
+    meta.update(meta_over)
+    with open(os.path.join(d, 'meta.json'), 'w') as f:
+        json.dump(meta, f)
+    return str(d)
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_data(tmp_path / 'data')
+
+
+def args(data_dir, out_dir, *extra):
+    return TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
+
+
+def read_metrics(out_dir):
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def deterministic(lines):
+    """The fields of metrics.jsonl that an exact resume must repeat (not the timings)."""
+    keys = ('iter', 'loss', 'lr', 'train_loss', 'val_loss')
+    return [{k: r[k] for k in keys if k in r} for r in lines]
+
+
+def load(path):
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def read_bytes(path):
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def assert_same(a, b, where='state'):
+    """Nested dicts / lists / tensors equal exactly (torch.equal for tensors, == for the rest)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f'{where}[{k!r}]')
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f'{where}[{i}]')
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def all_finite(state_dict):
+    return all(bool(torch.isfinite(t).all()) for t in state_dict.values())
+
+
+@pytest.fixture
+def save_log(monkeypatch):
+    """Wrap train.save_checkpoint: record (file name, iter_num, bytes written) of every successful save."""
+    log = []
+    real = train.save_checkpoint
+
+    def save_checkpoint(path, state):
+        real(path, state)
+        log.append((os.path.basename(path), state['iter_num'], read_bytes(path)))
+    monkeypatch.setattr(train, 'save_checkpoint', save_checkpoint)
+    return log
+
+
+def signal_at(monkeypatch, iters, signum=signal.SIGTERM):
+    """Make the process signal itself (a real signal, through train.py's handler) during the training
+    step that produces each iteration number in `iters` (counted from the first step of this main())."""
+    real = train.train_step
+    state = {'calls': 0}
+
+    def train_step(*a, **k):
+        out = real(*a, **k)
+        state['calls'] += 1
+        if state['calls'] in iters:
+            os.kill(os.getpid(), signum)
+        return out
+    monkeypatch.setattr(train, 'train_step', train_step)
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward (the loss stays finite), infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float('inf')
+
+
+def poison_forward(monkeypatch, bad_calls, kind='nan'):
+    """Wrap GPT.forward: the training forward calls (0-based, micro-steps included) in bad_calls return a
+    NaN loss ('nan') or a finite loss with an infinite gradient ('infgrad'). Evaluation is untouched."""
+    real = model_module.GPT.forward
+    calls = {'n': 0}
+
+    def forward(self, idx, targets=None, **kw):
+        logits, loss = real(self, idx, targets, **kw)
+        if self.training and targets is not None:
+            i = calls['n']
+            calls['n'] += 1
+            if bad_calls(i) if callable(bad_calls) else i in bad_calls:
+                loss = loss * float('nan') if kind == 'nan' else InfGrad.apply(loss)
+        return logits, loss
+    monkeypatch.setattr(model_module.GPT, 'forward', forward)
+
+
+def record_steps(monkeypatch):
+    """Wrap train.train_step: record (ok, loss, params before, params after, optimizer state before/after)."""
+    steps = []
+    real = train.train_step
+
+    def train_step(model, optimizer, *a, **k):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt_before = copy.deepcopy(optimizer.state_dict())
+        loss, norm, ok = real(model, optimizer, *a, **k)
+        after = {n: p.detach().clone() for n, p in model.named_parameters()}
+        steps.append(dict(ok=ok, loss=float(loss), norm=float(norm), before=before, after=after,
+                          opt_before=opt_before, opt_after=copy.deepcopy(optimizer.state_dict())))
+        return loss, norm, ok
+    monkeypatch.setattr(train, 'train_step', train_step)
+    return steps
+
+
+def run_cli(*argv, timeout=120):
+    return subprocess.run([sys.executable, 'train.py', *argv], cwd=HERE, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. exact resume
+
+RESUME_FLAGS = ['--dropout=0.2', '--gradient_accumulation_steps=2', '--eval_interval=4', '--lr_decay_iters=10',
+                '--seed=7']
+
+
+@pytest.fixture(scope='module')
+def reference_run(tmp_path_factory):
+    """The uninterrupted run: 10 iterations, evaluations at 0, 4, 8, the final iteration 10 saved."""
+    root = tmp_path_factory.mktemp('reference')
+    data_dir = write_data(root / 'data')
+    out = root / 'straight'
+    assert train.main(args(data_dir, out, *RESUME_FLAGS, '--max_iters=10')) == 0
+    return data_dir, out
+
+
+@pytest.mark.parametrize('how', ['eval-checkpoint', 'final-iter-not-eval', 'sigterm-mid-interval',
+                                 'sigterm-at-eval-iteration'])
+def test_resume_is_bit_exact(reference_run, tmp_path, monkeypatch, capsys, how):
+    # Reference: the same 10 iterations run straight through (dropout 0.2 and 2 micro-steps, so the
+    # torch RNG, the sampler's generator and the accumulation all have to be restored). Every logged
+    # loss, lr and evaluation and every tensor of the final ckpt.pt and best.pt must be equal.
+    data_dir, straight = reference_run
+    out = tmp_path / 'out'
+    first = args(data_dir, out, *RESUME_FLAGS, '--max_iters=10')
+    if how == 'eval-checkpoint':          # stopped by max_iters at an evaluation (ckpt from the eval)
+        assert train.main(args(data_dir, out, *RESUME_FLAGS, '--max_iters=4')) == 0
+        stopped_at = 4
+    elif how == 'final-iter-not-eval':    # max_iters=6 is no multiple of eval_interval: 6 must be saved
+        assert train.main(args(data_dir, out, *RESUME_FLAGS, '--max_iters=6')) == 0
+        stopped_at = 6
+    else:                                 # a SIGTERM during the step to iteration 3 (or 8, an eval iteration)
+        stopped_at = 3 if how == 'sigterm-mid-interval' else 8
+        with monkeypatch.context() as m:
+            signal_at(m, {stopped_at})
+            assert train.main(first) == 128 + signal.SIGTERM
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] == stopped_at
+    capsys.readouterr()
+    assert train.main(args(data_dir, out, *RESUME_FLAGS, '--max_iters=10', '--init_from=resume')) == 0
+    assert f'resuming from {out / "ckpt.pt"} at iteration {stopped_at}' in capsys.readouterr().out
+
+    want, got = deterministic(read_metrics(straight)), deterministic(read_metrics(out))
+    assert [r['iter'] for r in got if 'loss' in r] == list(range(1, 11))
+    assert got == want, f"metrics differ after resuming at {stopped_at}:\nstraight {want}\nresumed  {got}"
+    a, b = load(straight / 'ckpt.pt'), load(out / 'ckpt.pt')
+    assert a['iter_num'] == b['iter_num'] == 10
+    assert_same(a['model'], b['model'], 'model')
+    assert_same(a['optimizer'], b['optimizer'], 'optimizer')
+    assert_same(a['batches'], b['batches'], 'batches')
+    assert_same(a['rng'], b['rng'], 'rng states of every process')
+    assert a['best_val_loss'] == b['best_val_loss']
+    ba, bb = load(straight / 'best.pt'), load(out / 'best.pt')
+    assert ba['iter_num'] == bb['iter_num']
+    assert_same(ba['model'], bb['model'], 'best.pt model')
+    # the comparison is sensitive: training moved the weights after the stop
+    assert not torch.equal(ckpt['model']['wte.weight'], b['model']['wte.weight'])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. atomic checkpoints
+
+def disk_full(written=b'PK\x03\x04 half a checkpoint'):
+    def save(obj, f, *a, **k):
+        f.write(written)  # some bytes reach the temporary file first
+        f.flush()
+        raise OSError(28, 'No space left on device')
+    return save
+
+
+@pytest.mark.parametrize('where', ['torch.save', 'fsync', 'replace'])
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where):
+    # Reference: the bytes of the previous checkpoint, read before the failing save.
+    path = str(tmp_path / 'ckpt.pt')
+    old = {'model': {'w': torch.arange(6.0)}, 'iter_num': 1}
+    train.save_checkpoint(path, old)
+    before = read_bytes(path)
+    if where == 'torch.save':
+        monkeypatch.setattr(torch, 'save', disk_full())
+    else:
+        def fail(*a, **k):
+            raise OSError(28, 'No space left on device')
+        monkeypatch.setattr(os, where, fail)
+    with pytest.raises(train.TrainError) as e:
+        train.save_checkpoint(path, {'model': {'w': torch.zeros(6)}, 'iter_num': 2})
+    monkeypatch.undo()
+    assert path in str(e.value) and 'No space left on device' in str(e.value)
+    assert read_bytes(path) == before
+    assert_same(load(path), old)
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt']  # no ckpt.pt.tmp left behind
+
+
+def test_first_save_failing_leaves_nothing(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ckpt.pt')
+    monkeypatch.setattr(torch, 'save', disk_full())
+    with pytest.raises(train.TrainError, match='ckpt.pt'):
+        train.save_checkpoint(path, {'iter_num': 0})
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupt_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    # A KeyboardInterrupt (not an Exception) mid-write: it propagates unchanged, the old file is intact.
+    path = str(tmp_path / 'ckpt.pt')
+    train.save_checkpoint(path, {'iter_num': 1, 'w': torch.ones(3)})
+    before = read_bytes(path)
+
+    def interrupted(obj, f, *a, **k):
+        f.write(b'partial')
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, 'save', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint(path, {'iter_num': 2, 'w': torch.zeros(3)})
+    assert read_bytes(path) == before
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt']
+
+
+def test_disk_full_during_a_run_keeps_the_older_checkpoint(data, tmp_path, monkeypatch, save_log):
+    # Reference: ckpt.pt's bytes right after the last save that succeeded (iteration 2); the third save
+    # of ckpt.pt (iteration 4) fails with ENOSPC after writing part of the file.
+    out = tmp_path / 'out'
+    real_save = torch.save
+    n = {'ckpt': 0}
+
+    def save(obj, f, *a, **k):
+        if getattr(f, 'name', '').endswith('ckpt.pt.tmp'):
+            n['ckpt'] += 1
+            if n['ckpt'] == 3:
+                return disk_full()(obj, f)
+        return real_save(obj, f, *a, **k)
+    monkeypatch.setattr(torch, 'save', save)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=6'))
+    assert str(out / 'ckpt.pt') in str(e.value) and 'No space left' in str(e.value)
+    last = [b for name, it, b in save_log if name == 'ckpt.pt']
+    assert [it for name, it, b in save_log if name == 'ckpt.pt'] == [0, 2]
+    assert read_bytes(out / 'ckpt.pt') == last[-1]
+    assert load(out / 'ckpt.pt')['iter_num'] == 2
+    assert not glob.glob(str(out / '*.tmp'))
+    monkeypatch.setattr(torch, 'save', real_save)
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=6', '--init_from=resume')) == 0
+    assert load(out / 'ckpt.pt')['iter_num'] == 6
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. preemption: real signals to a real process
+
+SLOW = ['--device=cpu', '--dtype=float32', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
+        '--batch_size=16', '--eval_iters=2', '--log_interval=1', '--eval_interval=50', '--warmup_iters=2']
+
+
+def wait_for_training_line(proc, metrics, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"train.py ended (rc {proc.returncode}) before it could be signalled:\n{out}\n{err}")
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if any('"loss"' in line for line in f):
+                    return
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail('no training line in metrics.jsonl within the timeout')
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+def test_signal_saves_and_prints_the_resume_command(data, tmp_path, capsys, signum):
+    # Reference: metrics.jsonl's last training line (the iteration the run reached) and max_iters.
+    out = tmp_path / 'out'
+    argv = SLOW + [f'--data_dir={data}', f'--out_dir={out}', '--max_iters=60']
+    proc = subprocess.Popen([sys.executable, 'train.py', *argv], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_training_line(proc, out / 'metrics.jsonl')
+        t = time.time()
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=30)
+        elapsed = time.time() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, f"rc {proc.returncode}\n{stdout[-2000:]}\n{stderr[-2000:]}"
+    assert elapsed < 10, f"took {elapsed:.1f}s to stop"
+    assert 'Traceback' not in stderr
+    resume_lines = [ln.strip() for ln in stdout.splitlines() if '--init_from=resume' in ln]
+    assert resume_lines, stdout[-2000:]
+    last_iter = [r['iter'] for r in read_metrics(out) if 'loss' in r][-1]
+    ckpt = load(out / 'ckpt.pt')
+    assert 0 < ckpt['iter_num'] == last_iter < 60
+    if signum == signal.SIGTERM:  # the printed command's arguments finish the run
+        cmd = resume_lines[-1].split()
+        assert cmd[:2] == ['python', 'train.py']
+        capsys.readouterr()
+        assert train.main(cmd[2:]) == 0  # in-process: one interpreter start less
+        assert f'at iteration {last_iter}' in capsys.readouterr().out
+        assert load(out / 'ckpt.pt')['iter_num'] == 60
+        train_iters = [r['iter'] for r in read_metrics(out) if 'loss' in r]
+        assert train_iters == list(range(1, 61))  # each iteration logged once, none lost, none repeated
+
+
+def test_last_iteration_is_saved(data, tmp_path, save_log):
+    # max_iters=7 with eval_interval=3: evaluations at 0, 3, 6; the run must still end with ckpt.pt at 7.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=3', '--max_iters=7')) == 0
+    assert [it for name, it, _ in save_log if name == 'ckpt.pt'] == [0, 3, 6, 7]
+    assert load(out / 'ckpt.pt')['iter_num'] == 7
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. non-finite losses and gradients
+
+@pytest.mark.parametrize('accum', [1, 2])
+def test_isolated_nan_steps_are_skipped_and_the_run_finishes(data, tmp_path, monkeypatch, accum):
+    # NaN loss in micro-step 1 of step 3 and micro-step 0 of steps 6 and 7 (two in a row, under the
+    # limit of 3). Reference: the weights and optimizer state right before each skipped step.
+    bad_steps = {3, 6, 7}
+    micro = {3: accum - 1, 6: 0, 7: 0}
+    poison_forward(monkeypatch, {(s - 1) * accum + micro[s] for s in bad_steps})
+    steps = record_steps(monkeypatch)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=4', '--max_iters=9', '--max_nonfinite_steps=3',
+                           f'--gradient_accumulation_steps={accum}')) == 0
+    assert [s['ok'] for s in steps] == [i not in bad_steps for i in range(1, 10)]
+    for i, s in enumerate(steps, 1):
+        if s['ok']:
+            assert any(not torch.equal(s['before'][n], s['after'][n]) for n in s['before']), i
+        else:
+            assert math.isnan(s['loss'])
+            assert_same(s['before'], s['after'], f'params around skipped step {i}')
+            assert_same(s['opt_before'], s['opt_after'], f'optimizer around skipped step {i}')
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] == 9 and all_finite(ckpt['model'])
+    assert_same({n: ckpt['model'][n] for n in steps[-1]['after']}, steps[-1]['after'])  # (tied lm_head left out)
+    logged = [r['iter'] for r in read_metrics(out) if 'loss' in r]
+    assert logged == [i for i in range(1, 10) if i not in bad_steps]
+    assert all(math.isfinite(r[k]) for r in read_metrics(out) for k in ('loss', 'val_loss') if k in r)
+
+
+def test_infinite_gradient_with_finite_loss_is_skipped(data, tmp_path, monkeypatch):
+    # The loss of step 4 is finite, its gradient infinite: the norm guard, not the loss guard, must act.
+    poison_forward(monkeypatch, {3}, kind='infgrad')
+    steps = record_steps(monkeypatch)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=10', '--max_iters=6')) == 0
+    s = steps[3]
+    assert math.isfinite(s['loss']) and not math.isfinite(s['norm'])
+    assert not s['ok']
+    assert_same(s['before'], s['after'], 'params around the inf-gradient step')
+    assert_same(s['opt_before'], s['opt_after'], 'optimizer around the inf-gradient step')
+    assert [x['ok'] for x in steps] == [True, True, True, False, True, True]
+    assert all_finite(load(out / 'ckpt.pt')['model'])
+
+
+def test_consecutive_nan_steps_stop_with_the_last_good_checkpoint(data, tmp_path, monkeypatch, save_log):
+    # Every training step from step 6 on is NaN; max_nonfinite_steps=3 stops the run at iteration 8.
+    # Reference: ckpt.pt's bytes right after its last save (the evaluation at iteration 4).
+    poison_forward(monkeypatch, lambda i: i >= 5)
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=4', '--max_iters=20', '--max_nonfinite_steps=3'))
+    msg = str(e.value)
+    assert 'iteration 8' in msg and '3 consecutive' in msg, msg
+    assert str(out / 'ckpt.pt') in msg and '(iteration 4)' in msg, msg
+    name, it, saved = [x for x in save_log if x[0] == 'ckpt.pt'][-1]
+    assert it == 4
+    assert read_bytes(out / 'ckpt.pt') == saved
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] == 4 and all_finite(ckpt['model']) and all_finite(load(out / 'best.pt')['model'])
+    assert not glob.glob(str(out / '*.tmp'))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. safe loading
+
+class OpenFile:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, 'w'))
+
+
+class System:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f'touch {self.marker}',))
+
+
+@pytest.mark.parametrize('how', ['torch.save-open', 'torch.save-os.system', 'pickle-open'])
+def test_malicious_checkpoint_is_refused(data, tmp_path, how):
+    # Reference: the marker file the payload would create. A real run writes ckpt.pt first, so that the
+    # metrics and best.pt of a real run are there too; then ckpt.pt is replaced by the hostile file.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    marker = tmp_path / 'PWNED'
+    ckpt = load(out / 'ckpt.pt')
+    payload = OpenFile(str(marker)) if how.endswith('open') else System(str(marker))
+    ckpt['config'] = payload
+    path = out / 'ckpt.pt'
+    if how.startswith('torch.save'):
+        torch.save(ckpt, path)
+    else:
+        with open(path, 'wb') as f:
+            pickle.dump({'iter_num': 2, 'x': payload}, f)
+    hostile = read_bytes(path)
+    metrics_before = read_bytes(out / 'metrics.jsonl')
+    with pytest.raises(train.TrainError) as e:
+        train.load_checkpoint(str(path))
+    assert str(path) in str(e.value)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    assert str(path) in str(e.value)
+    assert not marker.exists()
+    assert read_bytes(path) == hostile and read_bytes(out / 'metrics.jsonl') == metrics_before
+
+
+@pytest.mark.parametrize('how', ['truncated', 'garbage', 'empty'])
+def test_broken_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, how):
+    # Reference: metrics.jsonl and ckpt.pt as they were before the resume attempt.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    path = out / 'ckpt.pt'
+    real = read_bytes(path)
+    broken = {'truncated': real[:len(real) // 2], 'garbage': np.random.default_rng(0).bytes(5000),
+              'empty': b''}[how]
+    path.write_bytes(broken)
+    metrics_before = read_bytes(out / 'metrics.jsonl')
+    with pytest.raises(train.TrainError) as e:
+        train.load_checkpoint(str(path))
+    assert str(path) in str(e.value)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    assert str(path) in str(e.value)
+    assert read_bytes(out / 'metrics.jsonl') == metrics_before
+    assert read_bytes(path) == broken
+    assert not glob.glob(str(out / 'previous-*'))
+
+
+def test_truncated_checkpoint_cli_exits_nonzero_without_traceback(data, tmp_path):
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    path = out / 'ckpt.pt'
+    real = read_bytes(path)
+    path.write_bytes(real[:len(real) // 2])
+    metrics_before = read_bytes(out / 'metrics.jsonl')
+    proc = run_cli(*args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    assert proc.returncode != 0
+    assert 'Traceback' not in proc.stderr and str(path) in proc.stderr, proc.stderr
+    assert read_bytes(out / 'metrics.jsonl') == metrics_before
+
+
+def test_checkpoint_without_the_training_state_is_an_error_naming_the_file(data, tmp_path):
+    # A loadable file that is not a training checkpoint (a bare model state_dict saved as ckpt.pt)
+    # is a corrupt checkpoint too: an error naming the file, not a KeyError traceback.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    path = out / 'ckpt.pt'
+    torch.save(load(path)['model'], path)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    assert str(path) in str(e.value)
+
+
+def test_missing_checkpoint_on_resume_is_an_error(data, tmp_path):
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError, match='no checkpoint at'):
+        train.main(args(data, out, '--init_from=resume', '--max_iters=2'))
+    assert not (out / 'metrics.jsonl').exists()
+
+
+def test_real_checkpoint_loads_with_weights_only(data, tmp_path, monkeypatch):
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--dropout=0.1', '--eval_interval=2', '--max_iters=3')) == 0
+    for name in ('ckpt.pt', 'best.pt'):
+        ckpt = torch.load(out / name, map_location='cpu', weights_only=True)
+        assert {'model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'rng', 'batches'} <= ckpt.keys()
+    # and load_checkpoint is what asks for weights_only=True
+    seen = []
+    real = torch.load
+
+    def spy(*a, **k):
+        seen.append(k.get('weights_only'))
+        return real(*a, **k)
+    monkeypatch.setattr(torch, 'load', spy)
+    assert train.load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 3
+    assert seen == [True]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. config changes on resume
+
+def test_resume_with_another_model_shape_lists_each_difference(data, tmp_path):
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    ckpt_bytes, metrics_bytes = read_bytes(out / 'ckpt.pt'), read_bytes(out / 'metrics.jsonl')
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume',
+                        '--n_layer=2', '--n_embd=32'))
+    msg = str(e.value)
+    assert 'n_layer: 1 -> 2' in msg and 'n_embd: 16 -> 32' in msg, msg
+    assert str(out / 'ckpt.pt') in msg
+    assert read_bytes(out / 'ckpt.pt') == ckpt_bytes and read_bytes(out / 'metrics.jsonl') == metrics_bytes
+
+
+def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_path, capsys):
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4')) == 0
+    capsys.readouterr()
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=6', '--init_from=resume',
+                           '--learning_rate=0.02')) == 0
+    stdout = capsys.readouterr().out
+    assert 'learning_rate: 0.01 -> 0.02' in stdout and 'max_iters: 4 -> 6' in stdout, stdout
+    assert load(out / 'ckpt.pt')['iter_num'] == 6
+    # Reference: the cosine schedule by hand with the new settings: at it=4 of warmup 2, decay to 6,
+    # halfway down from 0.02 to min_lr 0.001.
+    lr5 = [r['lr'] for r in read_metrics(out) if r.get('iter') == 5 and 'lr' in r]
+    assert lr5 == [pytest.approx(0.001 + 0.5 * (0.02 - 0.001), rel=1e-12)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. bad data, caught before training starts
+
+def bad_data(kind, d):
+    """Write a broken dataset to d; return the file the error must name and other strings it must hold."""
+    d = str(d)
+    p = lambda name: os.path.join(d, name)  # noqa: E731
+    if kind == 'missing-train.bin':
+        write_data(d); os.remove(p('train.bin'))
+        return p('train.bin'), []
+    if kind == 'missing-val.bin':
+        write_data(d); os.remove(p('val.bin'))
+        return p('val.bin'), []
+    if kind == 'missing-meta.json':
+        write_data(d); os.remove(p('meta.json'))
+        return p('meta.json'), ['prepare_data.py']
+    if kind == 'train-shorter-than-block':        # block_size 8 needs 9 tokens
+        write_data(d, train_tokens=np.arange(8) % V)
+        return p('train.bin'), ['8 tokens', '9']
+    if kind == 'val-empty':
+        write_data(d, val_tokens=np.zeros(0))
+        return p('val.bin'), ['0 tokens', '9']
+    if kind == 'token-id-past-vocab':             # id 200 with a vocabulary of 84 (model 128)
+        tokens = np.random.default_rng(0).integers(0, 84, 2000)
+        tokens[1234] = 200
+        write_data(d, vocab=84, train_tokens=tokens)
+        return p('train.bin'), ['200', '84']
+    if kind == 'token-id-in-padding':             # id 100: inside the model's 128, outside meta's 84
+        tokens = np.random.default_rng(0).integers(0, 84, 400)
+        tokens[-1] = 100
+        write_data(d, vocab=84, val_tokens=tokens)
+        return p('val.bin'), ['100', '84']
+    if kind == 'meta-count-mismatch':
+        write_data(d, n_train=2000, train_tokens=None)
+        meta = json.load(open(p('meta.json')))
+        meta['train_tokens'] = 2003
+        json.dump(meta, open(p('meta.json'), 'w'))
+        return p('train.bin'), ['4000 bytes', '2003']
+    if kind == 'odd-byte-count':
+        write_data(d, n_val=400)
+        with open(p('val.bin'), 'ab') as f:
+            f.write(b'\x01')
+        return p('val.bin'), ['801 bytes', '400']
+    if kind == 'meta-without-token-counts':
+        write_data(d)
+        meta = json.load(open(p('meta.json')))
+        del meta['train_tokens'], meta['val_tokens']
+        json.dump(meta, open(p('meta.json'), 'w'))
+        return p('meta.json'), ['train_tokens']
+    if kind == 'meta-not-json':
+        write_data(d)
+        with open(p('meta.json'), 'w') as f:
+            f.write('{"tokenizer": "char", "vocab_')  # cut short
+        return p('meta.json'), []
+    raise AssertionError(kind)
+
+
+BAD_DATA = ['missing-train.bin', 'missing-val.bin', 'missing-meta.json', 'train-shorter-than-block', 'val-empty',
+            'token-id-past-vocab', 'token-id-in-padding', 'meta-count-mismatch', 'odd-byte-count',
+            'meta-without-token-counts', 'meta-not-json']
+
+
+@pytest.mark.parametrize('kind', BAD_DATA)
+def test_bad_data_is_caught_before_training(tmp_path, kind):
+    # Reference: the file at fault and the numbers involved; nothing written to out_dir.
+    d, out = tmp_path / 'data', tmp_path / 'out'
+    path, needles = bad_data(kind, d)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(d, out, '--eval_interval=2', '--max_iters=2'))
+    msg = str(e.value)
+    assert path in msg and all(s in msg for s in needles), msg
+    assert not (out / 'ckpt.pt').exists() and not (out / 'metrics.jsonl').exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. best and latest
+
+def scripted_eval(monkeypatch, val_losses):
+    """Replace train.estimate_loss: the k-th evaluation returns val_losses[k]; snapshot the model each time."""
+    snapshots = []
+    losses = iter(val_losses)
+
+    def estimate_loss(model, splits, eval_iters, autocast):
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        v = next(losses)
+        return {'train': v + 0.5, 'val': v}
+    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    return snapshots
+
+
+def test_best_keeps_the_best_weights_and_ckpt_the_latest(data, tmp_path, monkeypatch, save_log):
+    # Evaluations at 0, 2, 4, 6, 8, 10 with val losses that go down to 3.0 at iteration 4, then up.
+    # Reference: the model's weights as each scripted evaluation saw them, and best.pt's bytes at its save.
+    out = tmp_path / 'out'
+    snaps = scripted_eval(monkeypatch, [5.0, 4.0, 3.0, 3.5, 4.0, 3.2])
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=10')) == 0
+    assert [it for name, it, _ in save_log if name == 'best.pt'] == [0, 2, 4]
+    best_bytes = [b for name, it, b in save_log if name == 'best.pt'][-1]
+    assert read_bytes(out / 'best.pt') == best_bytes
+    best, latest = load(out / 'best.pt'), load(out / 'ckpt.pt')
+    assert best['iter_num'] == 4 and best['best_val_loss'] == 3.0
+    assert_same(best['model'], snaps[2], 'best.pt model vs weights at iteration 4')
+    assert latest['iter_num'] == 10 and latest['best_val_loss'] == 3.0
+    assert_same(latest['model'], snaps[5], 'ckpt.pt model vs weights at iteration 10')
+    assert not torch.equal(best['model']['wte.weight'], latest['model']['wte.weight'])
+    assert [r['val_loss'] for r in read_metrics(out) if 'val_loss' in r] == [5.0, 4.0, 3.0, 3.5, 4.0, 3.2]
+
+    # resumed: the best val loss comes from the checkpoint, so a worse evaluation (3.1 at 12) does not
+    # overwrite best.pt, and a better one (2.0 at 14) does
+    save_log.clear()
+    snaps = scripted_eval(monkeypatch, [3.1, 2.0])
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=14', '--init_from=resume')) == 0
+    assert [(name, it) for name, it, _ in save_log] == [('ckpt.pt', 12), ('best.pt', 14), ('ckpt.pt', 14)]
+    best = load(out / 'best.pt')
+    assert best['iter_num'] == 14 and best['best_val_loss'] == 2.0
+    assert_same(best['model'], snaps[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. an earlier run in out_dir
+
+def run_files(out):
+    return {name: read_bytes(out / name) for name in ('ckpt.pt', 'best.pt', 'metrics.jsonl')}
+
+
+def test_scratch_run_moves_an_earlier_run_aside(data, tmp_path):
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2', '--seed=1')) == 0
+    first = run_files(out)
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=3', '--seed=2')) == 0
+    kept = glob.glob(str(out / 'previous-*'))
+    assert len(kept) == 1
+    assert {name: read_bytes(os.path.join(kept[0], name)) for name in first} == first
+    assert load(out / 'ckpt.pt')['iter_num'] == 3  # the new run's own files
+    assert [r['iter'] for r in read_metrics(out) if 'loss' in r] == [1, 2, 3]
+
+
+def test_two_scratch_restarts_in_the_same_second_keep_both_runs(data, tmp_path, monkeypatch):
+    # previous-<date-time> has a one-second resolution: three scratch runs within one second (simulated
+    # by freezing the clock that names the folder) must still keep both earlier runs.
+    monkeypatch.setattr(time, 'strftime', lambda fmt, *a: 'previous-20250101-120000')
+    out = tmp_path / 'out'
+    runs = []
+    for seed in (1, 2, 3):
+        assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2', f'--seed={seed}')) == 0
+        runs.append(run_files(out))
+    kept = sorted(glob.glob(str(out / 'previous-*')))
+    assert len(kept) == 2
+    assert sorted([{n: read_bytes(os.path.join(k, n)) for n in runs[0]} for k in kept], key=str) == \
+        sorted(runs[:2], key=str)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the command line
+
+def test_cli_misspelled_flag_is_one_line_without_traceback():
+    proc = run_cli('--learning_rat=1')
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "'learning_rat'" in lines[0] and "'learning_rate'" in lines[0]
+    assert 'Traceback' not in proc.stderr + proc.stdout
+
+
+def test_config_error_in_process():
+    with pytest.raises(ConfigError, match="learning_rate"):
+        train.main(['--learning_rat=1'])

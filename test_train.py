@@ -1,0 +1,811 @@
+"""
+Tests for model.py, train.py, configurator.py and sample.py, each against a reference computed here
+without the code under test: explicit attention with separate projections and repeated kv heads,
+the RMSNorm and RoPE formulas (RoPE as a complex rotation), a greedy loop without the KV cache,
+hand-computed cross-entropy, a manual SGD step on the full batch, the cosine schedule's formula,
+parameter counts from the config, and a straight training run for resume.
+
+    python -m pytest -q test_train.py
+"""
+import copy
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model as model_module
+import train
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, sample_next
+from prepare_data import prepare
+from train import configure_optimizer, get_lr, train_step
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The models here are tiny: one intra-op thread is as fast, and it avoids OpenMP threads stalling each
+# other on a busy 2-core machine (seen: 0.15 s instead of 0.6 ms per forward).
+torch.set_num_threads(1)
+NO_SCALER = torch.amp.GradScaler('cpu', enabled=False)  # what train.py uses in float32
+
+
+def tiny_config(**overrides):
+    args = dict(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=32)
+    args.update(overrides)
+    return GPTConfig(**args)
+
+
+def tiny_model(seed=0, dtype=torch.float32, **overrides):
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).to(dtype)
+
+
+def rms_norm_ref(x, weight, eps):
+    """The RMSNorm formula: x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
+    return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def randomize_norms(model, seed=1):
+    """Give every RMSNorm a random gain, so that a norm applied without its weight is caught."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=g, dtype=m.weight.dtype))
+
+
+class FakeBatches:
+    """train.Batches' interface: next() hands out pre-made (x, y) slices in order."""
+
+    def __init__(self, x, y, n_parts):
+        self.parts = list(zip(x.chunk(n_parts), y.chunk(n_parts)))
+        self.calls = 0
+
+    def next(self):
+        batch = self.parts[self.calls % len(self.parts)]
+        self.calls += 1
+        return batch
+
+
+def random_batch(seed, batch_size, block_size, vocab_size):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(vocab_size, (batch_size, block_size + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def opt_cfg(**overrides):
+    """The attributes of train.py's config that configure_optimizer and get_lr read."""
+    cfg = dict(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, warmup_iters=10,
+               lr_decay_iters=100, max_iters=200, min_lr=1e-4)
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# attention, norms, rotary embedding
+
+def reference_attention(attn, config, x, cos, sin):
+    """Separate q/k/v projections cut from the fused weight's rows (q, k, v), QK-norm by formula,
+    RoPE, kv heads repeated with repeat_interleave, softmax(QK^T / sqrt(d) + causal mask) V by hand."""
+    B, T, _ = x.shape
+    H, Hkv, D = config.n_head, config.n_kv_head, config.head_dim
+    Wq, Wk, Wv = attn.qkv.weight[:H * D], attn.qkv.weight[H * D:(H + Hkv) * D], attn.qkv.weight[(H + Hkv) * D:]
+    assert Wv.shape[0] == Hkv * D
+    q = F.linear(x, Wq).view(B, T, H, D)
+    k = F.linear(x, Wk).view(B, T, Hkv, D)
+    v = F.linear(x, Wv).view(B, T, Hkv, D)
+    if config.qk_norm:
+        q = rms_norm_ref(q, attn.q_norm.weight, config.norm_eps)
+        k = rms_norm_ref(k, attn.k_norm.weight, config.norm_eps)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    k = k.repeat_interleave(H // Hkv, dim=1)  # query head h uses kv head h // (H / Hkv)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float('-inf'))
+    y = scores.softmax(dim=-1) @ v  # (B, H, T, D)
+    return F.linear(y.transpose(1, 2).reshape(B, T, H * D), attn.proj.weight)
+
+
+@pytest.mark.parametrize('n_kv_head, qk_norm', [(4, False), (2, False), (1, False), (2, True), (4, True)],
+                         ids=['mha', 'gqa', 'mqa', 'gqa-qknorm', 'mha-qknorm'])
+@pytest.mark.parametrize('dtype, tol', [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=['f64', 'f32'])
+def test_attention_matches_explicit_reference(n_kv_head, qk_norm, dtype, tol):
+    # Reference: reference_attention above (three F.linear calls, repeat_interleave'd kv heads,
+    # explicit masked softmax), against the fused-QKV module that goes through SDPA (enable_gqa).
+    config = tiny_config(n_head=4, n_kv_head=n_kv_head, qk_norm=qk_norm, n_embd=64)
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config).to(dtype).eval()
+    randomize_norms(attn)
+    with torch.no_grad():
+        attn.qkv.weight.normal_(0, 0.3)  # large enough that the softmax is far from uniform
+    x = torch.randn(2, 12, config.n_embd, dtype=dtype)
+    cos, sin = rope_cache(12, config.head_dim, config.rope_base)
+    with torch.no_grad():
+        got = attn(x, cos, sin)
+        want = reference_attention(attn, config, x, cos, sin)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_attention_is_causal():
+    # Reference: causality itself; changing the last token must leave every earlier output unchanged,
+    # and changing the first token must change the last output.
+    config = tiny_config(n_kv_head=2)
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config).double().eval()
+    x = torch.randn(1, 10, config.n_embd, dtype=torch.float64)
+    cos, sin = rope_cache(10, config.head_dim, config.rope_base)
+    y = attn(x, cos, sin)
+    x2 = x.clone()
+    x2[:, -1] += 1.0
+    y2 = attn(x2, cos, sin)
+    torch.testing.assert_close(y2[:, :-1], y[:, :-1], rtol=0, atol=1e-14)
+    x3 = x.clone()
+    x3[:, 0] += 1.0
+    assert (attn(x3, cos, sin)[:, -1] - y[:, -1]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize('norm_eps', [1e-5, 1e-2])
+@pytest.mark.parametrize('qk_norm', [False, True])
+def test_rmsnorm_matches_formula(norm_eps, qk_norm):
+    # Reference: x / sqrt(mean(x^2) + eps) * weight in float64, with random gains, for every norm of
+    # the model; inputs at small scales where eps matters, so a misplaced or ignored eps is caught.
+    model = tiny_model(dtype=torch.float64, norm_eps=norm_eps, qk_norm=qk_norm)
+    randomize_norms(model)
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert len(norms) == 2 * model.config.n_layer + 1 + (2 * model.config.n_layer if qk_norm else 0)
+    torch.manual_seed(0)
+    for norm in norms:
+        dim = norm.weight.shape[0]
+        x = torch.randn(3, 5, dim, dtype=torch.float64) * torch.tensor([1e-3, 1e-1, 10.0]).view(3, 1, 1)
+        torch.testing.assert_close(norm(x), rms_norm_ref(x, norm.weight, norm_eps), rtol=1e-12, atol=1e-12)
+
+
+def rotate_ref(x, pos, base):
+    """RoPE as complex multiplication: channel pair (i, i + D/2) is z_i = x_i + j x_{i+D/2}, turned by
+    pos * base^(-2i/D). x is (D,), float64."""
+    D = x.shape[-1]
+    theta = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    z = torch.complex(x[:D // 2], x[D // 2:]) * torch.polar(torch.ones(D // 2, dtype=torch.float64), pos * theta)
+    return torch.cat((z.real, z.imag))
+
+
+def rotate(x, pos, base=10000.0):
+    """The project's apply_rotary on one vector x (D,) at position pos."""
+    D = x.shape[-1]
+    cos, sin = rope_cache(pos + 1, D, base)
+    return apply_rotary(x.view(1, 1, 1, D), cos[pos:pos + 1], sin[pos:pos + 1]).view(D)
+
+
+def test_rope_matches_complex_rotation():
+    # Reference: rotate_ref (complex multiplication by e^{j pos theta_i}); apply_rotary works from float32
+    # angles, hence the 1e-5 tolerance. Also the model's cos/sin buffers use its rope_base.
+    torch.manual_seed(0)
+    for base in (10000.0, 500.0):
+        for pos in (0, 1, 7, 63):
+            x = torch.randn(16, dtype=torch.float64)
+            torch.testing.assert_close(rotate(x, pos, base), rotate_ref(x, pos, base), rtol=0, atol=2e-5)
+    m = tiny_model(rope_base=500.0, n_embd=64)  # head_dim 16
+    t = torch.arange(16, dtype=torch.float64)[:, None]
+    angles = t * 500.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    torch.testing.assert_close(m.cos.double(), angles.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(m.sin.double(), angles.sin(), rtol=0, atol=1e-6)
+
+
+def test_rope_relative_position_and_norm():
+    # Reference: the defining property of RoPE, <rot(q, m), rot(k, n)> = f(q, k, m - n): shifting both
+    # positions keeps the dot product, other offsets change it; and a rotation keeps the norm.
+    torch.manual_seed(0)
+    q, k = torch.randn(32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    scale = q.norm() * k.norm()
+
+    def dot(m, n):
+        return torch.dot(rotate(q, m), rotate(k, n))
+    for offset in (0, 3, -5):
+        base_dot = dot(10 + offset, 10)
+        for shift in (-5, 1, 17, 40):
+            assert abs(dot(10 + offset + shift, 10 + shift) - base_dot) < 1e-5 * scale
+    dots = [dot(20 + offset, 20) for offset in (0, 1, 3, -5)]
+    for i in range(len(dots)):
+        for j in range(i + 1, len(dots)):
+            assert abs(dots[i] - dots[j]) > 1e-3 * scale
+    for pos in (0, 5, 60):
+        torch.testing.assert_close(rotate(q, pos).norm(), q.norm(), rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV cache and sampling
+
+@pytest.mark.parametrize('n_kv_head, qk_norm', [(2, False), (4, True)])
+def test_kv_cache_logits_match_full_forward(n_kv_head, qk_norm):
+    # Reference: one full-sequence forward without cache; the cache is filled by a prefill and then one
+    # token at a time, and its logits must match position by position (float32, 1e-5).
+    model = tiny_model(block_size=24, n_kv_head=n_kv_head, qk_norm=qk_norm).eval()
+    randomize_norms(model)
+    idx = torch.randint(32, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(model.config, 2, 24, 'cpu', torch.float32)
+        steps = [model(idx[:, :7], cache=cache)[0]]
+        for t in range(7, 24):
+            steps.append(model(idx[:, t:t + 1], cache=cache)[0])
+    assert cache.pos == 24
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match='block_size'):  # the cache is full
+        model(idx[:, :1], cache=cache)
+
+
+def greedy_reference(model, idx, max_new_tokens):
+    """Greedy decoding the plain way: full forward over the last block_size tokens at every step."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat((idx, logits[:, -1].argmax(dim=-1, keepdim=True)), dim=1)
+    return idx
+
+
+@pytest.mark.parametrize('n_kv_head, qk_norm', [(2, False), (4, True)])
+def test_generate_greedy_with_cache_past_block_size(n_kv_head, qk_norm):
+    # Reference: greedy_reference (no cache); a 5-token prompt plus 30 tokens runs well past
+    # block_size=16, so the cached path must fall back exactly. float64 so that no argmax is a near-tie.
+    model = tiny_model(dtype=torch.float64, n_kv_head=n_kv_head, qk_norm=qk_norm, tie_embeddings=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)  # random weights with varied predictions, not the near-uniform init
+    prompt = torch.randint(32, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = greedy_reference(model.eval(), prompt, 30)
+    model.train()
+    cached = model.generate(prompt, 30, temperature=0, use_cache=True)
+    uncached = model.generate(prompt, 30, temperature=0, use_cache=False)
+    assert model.training  # generate puts the mode back
+    assert cached.shape == (2, 35)
+    assert torch.equal(cached, want) and torch.equal(uncached, want)
+    assert len(set(want[:, 5:].flatten().tolist())) >= 4  # a meaningful sequence, not one repeated token
+    # top_k=1 at temperature 1 is greedy too
+    assert torch.equal(model.generate(prompt, 30, temperature=1.0, top_k=1), want)
+
+
+def test_top_k_one_is_greedy_and_top_k_stays_in_top_k():
+    # Reference: argmax / the k largest logits found by sorting in Python.
+    logits = torch.randn(500, 50, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    assert torch.equal(sample_next(logits.clone(), 1.0, top_k=1, generator=g).squeeze(1), logits.argmax(-1))
+    got = sample_next(logits.clone(), 1.5, top_k=3, generator=g).squeeze(1).tolist()
+    for row, token in zip(logits.tolist(), got):
+        assert token in sorted(range(50), key=lambda i: -row[i])[:3]
+
+
+def nucleus_ref(probs, p):
+    """The smallest set of most likely tokens whose probability reaches p."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, total = [], 0.0
+    for i in order:
+        kept.append(i)
+        total += probs[i]
+        if total >= p:
+            break
+    return kept
+
+
+@pytest.mark.parametrize('top_p', [0.3, 0.65, 0.75, 0.9, 0.99])
+def test_top_p_samples_only_the_nucleus(top_p):
+    # Reference: nucleus_ref on a hand-built distribution (cumulative 0.4, 0.7, 0.85, 0.95, 1.0; no p sits
+    # on a boundary). 4000 seeded samples: exactly the nucleus appears, at its renormalized frequencies.
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    kept = nucleus_ref(probs, top_p)
+    n = 4000
+    logits = torch.tensor(probs).log().repeat(n, 1)
+    samples = sample_next(logits, 1.0, top_p=top_p, generator=torch.Generator().manual_seed(0)).squeeze(1)
+    counts = torch.bincount(samples, minlength=len(probs)).tolist()
+    assert {i for i, c in enumerate(counts) if c} == set(kept)
+    mass = sum(probs[i] for i in kept)
+    for i in kept:
+        assert abs(counts[i] / n - probs[i] / mass) < 0.03  # about 4 standard deviations
+
+
+def test_vocab_limit_masks_padding_ids():
+    # Reference: argmax over the allowed ids only; the padding ids are made the most likely ones.
+    logits = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0))
+    logits[:, 40:] += 10.0
+    greedy = sample_next(logits.clone(), 0, vocab_limit=40).squeeze(1)
+    assert torch.equal(greedy, logits[:, :40].argmax(-1))
+    g = torch.Generator().manual_seed(0)
+    for kwargs in ({}, {'top_p': 0.9}, {'top_k': 50}):
+        assert sample_next(logits.clone(), 1.0, vocab_limit=40, generator=g, **kwargs).max() < 40
+    model = tiny_model(vocab_size=64)
+    with torch.no_grad():
+        model.lm_head.weight[40:] *= 50  # make the padding ids tempting
+    out = model.generate(torch.zeros(1, 3, dtype=torch.long), 40, vocab_limit=40,
+                         generator=torch.Generator().manual_seed(0))
+    assert out[:, 3:].max() < 40
+
+
+# ----------------------------------------------------------------------------------------------------
+# loss, config, MLP, FLOPs
+
+@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
+def test_loss_matches_hand_computed_cross_entropy(label_smoothing):
+    # Reference: -log_softmax at the target, mixed with the mean over all classes for label smoothing
+    # ((1 - eps) * nll + eps * mean_c(-log p_c)), computed by hand in float64 from the returned logits;
+    # and F.cross_entropy on those logits.
+    model = tiny_model(dtype=torch.float64)
+    x, y = random_batch(0, 3, 16, 32)
+    logits, loss = model(x, y, label_smoothing=label_smoothing)
+    logp = logits.double().log_softmax(dim=-1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    want = ((1 - label_smoothing) * nll + label_smoothing * (-logp.mean(dim=-1))).mean()
+    assert logits.shape == (3, 16, 32)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 32).float(), y.reshape(-1),
+                                                     label_smoothing=label_smoothing), rtol=1e-6, atol=0)
+    assert model(x)[1] is None
+
+
+@pytest.mark.parametrize('overrides, field', [
+    (dict(n_embd=32, n_head=4, n_kv_head=3), 'n_kv_head'),
+    (dict(n_embd=30, n_head=4), 'n_embd'),
+    (dict(n_embd=12, n_head=4), 'head_dim'),  # head_dim 3 is odd
+    (dict(mlp='relu'), 'mlp'),
+    (dict(n_layer=0), 'n_layer'),
+    (dict(dropout=1.0), 'dropout'),
+])
+def test_config_errors_name_the_field(overrides, field):
+    # Reference: the field that is wrong; its name (as `field=`) must be in the ValueError's message.
+    with pytest.raises(ValueError) as e:
+        tiny_config(**overrides)
+    assert f'{field}=' in str(e.value)
+
+
+@pytest.mark.parametrize('mlp', ['gelu', 'swiglu', 'geglu'])
+@pytest.mark.parametrize('n_embd', [32, 40, 48, 56, 72, 200])
+def test_mlp_hidden_is_a_multiple_of_64(mlp, n_embd):
+    # Reference: 4 * n_embd (gelu) or 8/3 * n_embd (gated), rounded up to the next multiple of 64.
+    config = tiny_config(n_embd=n_embd, mlp=mlp)
+    target = 4 * n_embd if mlp == 'gelu' else 8 * n_embd / 3
+    assert config.mlp_hidden % 64 == 0
+    assert target <= config.mlp_hidden < target + 64
+    assert config.head_dim == n_embd // 4
+
+
+@pytest.mark.parametrize('kind', ['gelu', 'swiglu', 'geglu'])
+def test_mlp_matches_formula_and_trains(kind):
+    # Reference: the formulas written out (silu(z) = z * sigmoid(z), gelu(z) = z * Phi(z) via erf),
+    # with the fused up weight's rows as [gate, up]; then a whole model's forward/backward reaches
+    # every parameter with a finite gradient.
+    config = tiny_config(mlp=kind)
+    torch.manual_seed(0)
+    mlp = MLP(config).double()
+    x = torch.randn(2, 5, config.n_embd, dtype=torch.float64)
+    h = x @ mlp.up.weight.T
+    gelu = lambda z: z * 0.5 * (1 + torch.erf(z / math.sqrt(2)))  # noqa: E731
+    if kind == 'gelu':
+        act = gelu(h)
+    else:
+        gate, up = h[..., :config.mlp_hidden], h[..., config.mlp_hidden:]
+        act = (gate * torch.sigmoid(gate) if kind == 'swiglu' else gelu(gate)) * up
+    torch.testing.assert_close(mlp(x), act @ mlp.down.weight.T, rtol=1e-12, atol=1e-12)
+
+    model = tiny_model(mlp=kind)
+    _, loss = model(*random_batch(0, 2, 16, 32))
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_forward_rejects_sequences_longer_than_block_size():
+    # Reference: the documented limit, block_size tokens.
+    model = tiny_model()
+    model(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match='block_size'):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize('overrides', [dict(), dict(tie_embeddings=False, mlp='gelu'),
+                                       dict(n_kv_head=1, n_layer=3), dict(mlp='geglu', n_kv_head=2)])
+def test_flops_per_token(overrides):
+    # Reference: the matmul weights counted from the config by hand (qkv, proj, mlp up/down, lm_head;
+    # the tied lm_head still does a matmul), times 6, plus the PaLM attention term 12 * L * H * D * T.
+    c = tiny_config(**overrides)
+    model = GPT(c)
+    H, Hkv, D, C, L = c.n_head, c.n_kv_head, c.head_dim, c.n_embd, c.n_layer
+    up_rows = c.mlp_hidden * (1 if c.mlp == 'gelu' else 2)
+    per_layer = C * (H + 2 * Hkv) * D + H * D * C + C * up_rows + c.mlp_hidden * C
+    weights = L * per_layer + c.vocab_size * C
+    assert model.flops_per_token() == 6 * weights + 12 * L * H * D * c.block_size
+    assert model.flops_per_token(seq_len=7) == 6 * weights + 12 * L * H * D * 7
+    assert model.estimate_mfu(1e6, 'cpu') is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# training step, schedule, optimizer groups, activation checkpointing
+
+@pytest.mark.parametrize('accum_steps', [1, 4])
+def test_gradient_accumulation_matches_full_batch_sgd(accum_steps):
+    # Reference: a manual SGD step on the full batch of 8 (loss.backward() on one forward, p - lr * grad);
+    # train_step with accum_steps micro-batches of 8 / accum_steps must give the same weights, the same
+    # mean loss and the same gradient norm. grad_clip=0 (off), so that clipping cannot hide a wrong scale.
+    lr = 0.5
+    ref = tiny_model()
+    x, y = random_batch(0, 8, 16, 32)
+    _, loss = ref(x, y)
+    loss.backward()
+    want = {n: (p - lr * p.grad).detach() for n, p in ref.named_parameters()}
+    want_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    batches = FakeBatches(x, y, accum_steps)
+    got_loss, norm, ok = train_step(model, optimizer, NO_SCALER, batches, accum_steps, nullcontext(), 0.0)
+    assert ok and batches.calls == accum_steps
+    torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-5, atol=1e-7, msg=n)
+        assert p.grad is None  # zeroed after the step
+
+
+def test_gradient_accumulation_with_adamw():
+    # Reference: one train_step on the batch of 8 with the project's AdamW; 4 micro-batches of 2 must
+    # land on the same weights (and the same pre-clipping gradient norm, which AdamW alone would not
+    # notice: its first step barely depends on the gradient's scale). float64: Adam divides by |grad|,
+    # so float32 rounding in gradients that nearly cancel would move single weights by up to lr.
+    x, y = random_batch(0, 8, 16, 32)
+    results = []
+    for accum_steps in (1, 4):
+        model = tiny_model(dtype=torch.float64)
+        optimizer = configure_optimizer(model, opt_cfg(learning_rate=1e-2), 'cpu')
+        loss, norm, ok = train_step(model, optimizer, NO_SCALER, FakeBatches(x, y, accum_steps), accum_steps,
+                                    nullcontext(), 1.0)
+        assert ok
+        results.append((loss, norm, dict(model.named_parameters())))
+    (loss1, norm1, p1), (loss4, norm4, p4) = results
+    torch.testing.assert_close(loss4, loss1, rtol=1e-6, atol=0)  # GPT.forward computes the loss in float32
+    torch.testing.assert_close(norm4, norm1, rtol=1e-9, atol=0)
+    for n in p1:
+        torch.testing.assert_close(p4[n], p1[n], rtol=1e-10, atol=1e-12, msg=n)
+    initial = tiny_model(dtype=torch.float64).blocks[0].attn.qkv.weight
+    assert (p1['blocks.0.attn.qkv.weight'] - initial).abs().max() > 1e-3  # lr 1e-2: the step happened
+
+
+def test_grad_clip_scales_the_step():
+    # Reference: a manual SGD step with the gradient scaled by clip / norm (torch's clip_grad_norm_ rule).
+    lr, x, y = 0.5, *random_batch(0, 4, 16, 32)
+    ref = tiny_model()
+    ref(x, y)[1].backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
+    clip = float(norm) / 3
+    model = tiny_model()
+    _, got_norm, ok = train_step(model, torch.optim.SGD(model.parameters(), lr=lr), NO_SCALER,
+                                 FakeBatches(x, y, 1), 1, nullcontext(), clip)
+    assert ok
+    torch.testing.assert_close(got_norm, norm, rtol=1e-5, atol=0)  # reported before clipping
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, (q - lr * q.grad * clip / norm).detach(), rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_nonfinite_loss_skips_the_update():
+    # Reference: the weights before the step; a NaN loss must not reach them.
+    class NaNLoss(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y, label_smoothing=0.0):
+            logits, loss = self.inner(x, y)
+            return logits, loss * float('nan')
+    model = tiny_model()
+    before = copy.deepcopy(model.state_dict())
+    optimizer = configure_optimizer(model, opt_cfg(), 'cpu')
+    _, _, ok = train_step(NaNLoss(model), optimizer, NO_SCALER, FakeBatches(*random_batch(0, 2, 16, 32), 1), 1,
+                          nullcontext(), 1.0)
+    assert not ok
+    for n, p in model.state_dict().items():
+        assert torch.equal(p, before[n]), n
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_tiny_model_overfits_one_batch():
+    # Reference: ln(vocab_size), the loss of a uniform guess; memorizing one batch must go far below it.
+    model = tiny_model(vocab_size=16, n_embd=64)
+    x, y = random_batch(0, 4, 16, 16)
+    optimizer = configure_optimizer(model, opt_cfg(learning_rate=1e-2, weight_decay=0.0), 'cpu')
+    losses = []
+    for _ in range(200):
+        loss, _, ok = train_step(model, optimizer, NO_SCALER, FakeBatches(x, y, 1), 1, nullcontext(), 1.0)
+        assert ok
+        losses.append(loss.item())
+        if losses[-1] < 0.05:
+            break
+    assert abs(losses[0] - math.log(16)) < 0.3
+    assert losses[-1] < 0.1, losses[-10:]
+
+
+def test_get_lr_schedule():
+    # Reference: linear warmup (constant increments, learning_rate within one increment at the last
+    # warmup step), then min_lr + 0.5 * (1 + cos(pi * progress)) * (learning_rate - min_lr), min_lr after.
+    cfg = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
+    warm = [get_lr(it, cfg) for it in range(10)]
+    steps = [b - a for a, b in zip(warm, warm[1:])]
+    assert warm[0] > 0 and all(s > 0 for s in steps)
+    assert max(steps) - min(steps) < 1e-12
+    assert 1.0 - steps[0] - 1e-12 <= warm[-1] <= 1.0
+    for it in (10, 20, 35, 60, 85, 109, 110):
+        want = 0.1 + 0.5 * (1 + math.cos(math.pi * (it - 10) / 100)) * 0.9
+        assert math.isclose(get_lr(it, cfg), want, rel_tol=1e-12, abs_tol=1e-12), it
+    assert math.isclose(get_lr(10, cfg), 1.0) and math.isclose(get_lr(60, cfg), 0.55)
+    for it in (110, 111, 150, 10 ** 6):
+        assert get_lr(it, cfg) == 0.1
+    # lr_decay_iters=0 means max_iters
+    cfg0 = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=0, max_iters=110)
+    assert all(get_lr(it, cfg0) == get_lr(it, cfg) for it in (0, 5, 10, 50, 109, 110, 200))
+
+
+@pytest.mark.parametrize('tie', [True, False])
+@pytest.mark.parametrize('qk_norm', [False, True])
+def test_weight_decay_groups(tie, qk_norm):
+    # Reference: the modules by type: Linear and Embedding weights decay, RMSNorm gains do not; each
+    # parameter in exactly one group, a tied embedding once.
+    model = tiny_model(tie_embeddings=tie, qk_norm=qk_norm)
+    decay, no_decay = set(), set()
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            decay.add(id(m.weight))
+        elif isinstance(m, nn.RMSNorm):
+            no_decay.add(id(m.weight))
+    optimizer = configure_optimizer(model, opt_cfg(weight_decay=0.1), 'cpu')
+    groups = {g['weight_decay']: [id(p) for p in g['params']] for g in optimizer.param_groups}
+    assert sorted(groups) == [0.0, 0.1]
+    assert len(groups[0.1]) == len(set(groups[0.1])) and set(groups[0.1]) == decay
+    assert len(groups[0.0]) == len(set(groups[0.0])) and set(groups[0.0]) == no_decay
+    n_layer = model.config.n_layer
+    assert len(decay) == 1 + 4 * n_layer + (0 if tie else 1)  # wte, qkv/proj/up/down, lm_head
+    assert len(no_decay) == 2 * n_layer + 1 + (2 * n_layer if qk_norm else 0)
+    total = sum(p.numel() for g in optimizer.param_groups for p in g['params'])
+    assert total == model.num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize('dropout', [0.0, 0.1])
+def test_activation_checkpointing_same_loss_and_grads(dropout, monkeypatch):
+    # Reference: the same model and seed without checkpointing; with dropout too (checkpoint restores the
+    # RNG for the recomputation). The checkpoint function is counted, so a flag that is ignored fails.
+    calls = []
+    real_checkpoint = model_module.checkpoint
+
+    def counting_checkpoint(*args, **kwargs):
+        calls.append(1)
+        return real_checkpoint(*args, **kwargs)
+    monkeypatch.setattr(model_module, 'checkpoint', counting_checkpoint)
+    x, y = random_batch(0, 4, 16, 32)
+    results = []
+    for mode in ('none', 'full'):
+        model = tiny_model(dropout=dropout)
+        model.activation_checkpointing = mode
+        torch.manual_seed(123)
+        _, loss = model(x, y)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert len(calls) == model.config.n_layer
+    (loss0, g0), (loss1, g1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-8, msg=n)
+
+
+def draws_after_restore(draw):
+    """draw() right after rng_state(), and again after set_rng_state() of that state, mid-stream."""
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    random.random(), np.random.rand(3), torch.rand(3)  # mid-stream, not at a fresh seed
+    state = train.rng_state()
+    first = draw()
+    train.set_rng_state(state)
+    return first, draw()
+
+
+def test_rng_state_round_trip():
+    # Reference: the draws taken right after rng_state(); after set_rng_state the same draws must come
+    # again from Python's and torch's generators (what an exact resume relies on).
+    first, again = draws_after_restore(lambda: (random.random(), torch.rand(4).tolist()))
+    assert first == again
+
+
+def test_rng_state_round_trip_numpy():
+    # Reference: as above, for numpy's global generator.
+    first, again = draws_after_restore(lambda: np.random.rand(4).tolist())
+    assert first == again
+
+
+# ----------------------------------------------------------------------------------------------------
+# configurator
+
+def test_unknown_key_suggests_the_closest():
+    # Reference: the misspelled key and the real key it is closest to.
+    with pytest.raises(ConfigError, match=r"'learning_rat'.*'learning_rate'"):
+        configure(train.DEFAULTS, ['--learning_rat=1'])
+    with pytest.raises(ConfigError, match=r"'n_layers'.*'n_layer'"):
+        configure(train.DEFAULTS, ['--n_layers=2'])
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    # Reference: the misspelled key in the file and its closest real key, and the file's name.
+    path = tmp_path / 'cfg.py'
+    path.write_text("n_layer = 2\nbatch_sise = 4\n")
+    with pytest.raises(ConfigError) as e:
+        configure(train.DEFAULTS, [str(path)])
+    assert "'batch_sise'" in str(e.value) and "'batch_size'" in str(e.value) and 'cfg.py' in str(e.value)
+
+
+@pytest.mark.parametrize('arg, key, value, expected', [
+    ('--batch_size=abc', 'batch_size', 'abc', 'int'),
+    ('--compile=1', 'compile', '1', 'bool'),
+    ('--learning_rate=fast', 'learning_rate', 'fast', 'float'),
+    ('--batch_size=1.5', 'batch_size', '1.5', 'int'),
+    ('--dropout=True', 'dropout', 'True', 'float'),  # a bool is not a number here
+])
+def test_wrong_type_names_key_value_and_type(arg, key, value, expected):
+    # Reference: the flag's key, its value and the type of the key's default.
+    with pytest.raises(ConfigError) as e:
+        configure(train.DEFAULTS, [arg])
+    msg = str(e.value)
+    assert key in msg and value in msg and expected in msg
+
+
+def test_wrong_type_in_config_file(tmp_path):
+    # Reference: the key, the value and the default's type, as for flags.
+    path = tmp_path / 'cfg.py'
+    path.write_text("batch_size = 'big'\n")
+    with pytest.raises(ConfigError, match=r"batch_size.*'big'.*int"):
+        configure(train.DEFAULTS, [str(path)])
+
+
+def test_int_accepted_for_float(tmp_path):
+    # Reference: the float value of the int given; ints stay ints, strings stay strings.
+    path = tmp_path / 'cfg.py'
+    path.write_text('"""a docstring is fine"""\nmin_lr = 0\n')
+    cfg = configure(train.DEFAULTS, ['--learning_rate=1', str(path), '--out_dir=123', '--n_layer=3'])
+    assert cfg['learning_rate'] == 1.0 and type(cfg['learning_rate']) is float
+    assert cfg['min_lr'] == 0.0 and type(cfg['min_lr']) is float
+    assert cfg['out_dir'] == '123' and cfg['n_layer'] == 3 and type(cfg['n_layer']) is int
+    assert train.DEFAULTS['learning_rate'] == 6e-4  # the defaults are not modified
+
+
+@pytest.mark.parametrize('source', [
+    "learning_rate = open(r'{flag}', 'w').close() or 1e-3\n",
+    "import os\nos.system('touch {flag}')\n",
+    "n_layer = __import__('os').system('touch {flag}')\n",
+    "open(r'{flag}', 'w').close()\n",
+    "n_layer = 2\nif True:\n    open(r'{flag}', 'w').close()\n",
+], ids=['call-in-value', 'import', 'dunder-import', 'bare-call', 'if-block'])
+def test_config_file_is_never_executed(tmp_path, source):
+    # Reference: a file the code would create if it ran; it must not exist after the ConfigError.
+    flag = tmp_path / 'executed'
+    path = tmp_path / 'evil.py'
+    path.write_text(source.format(flag=flag))
+    with pytest.raises(ConfigError, match='line'):
+        configure(train.DEFAULTS, [str(path)])
+    assert not flag.exists()
+
+
+def test_later_arguments_override_earlier(tmp_path):
+    # Reference: argv order; the last mention of a key wins, whether it is a flag or a file.
+    a, b = tmp_path / 'a.py', tmp_path / 'b.py'
+    a.write_text("n_layer = 3\nbatch_size = 5\n")
+    b.write_text("n_layer = 4\n")
+    assert configure(train.DEFAULTS, [str(a), '--n_layer=7'])['n_layer'] == 7
+    assert configure(train.DEFAULTS, ['--n_layer=7', str(a)])['n_layer'] == 3
+    assert configure(train.DEFAULTS, [str(a), str(b)])['n_layer'] == 4
+    assert configure(train.DEFAULTS, [str(b), str(a)])['n_layer'] == 3
+    assert configure(train.DEFAULTS, ['--n_layer=7', '--n_layer=8'])['n_layer'] == 8
+    cfg = configure(train.DEFAULTS, [str(a), str(b)])
+    assert cfg['batch_size'] == 5 and cfg['n_head'] == train.DEFAULTS['n_head']
+
+
+# ----------------------------------------------------------------------------------------------------
+# the real scripts: train, resume, sample
+
+TEXT = ''.join(f"{w}{' ' if i % 7 else chr(10)}" for i, w in enumerate(
+    ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+     "You are all resolved rather to die than to famish? Resolved. resolved. ").split() * 12))
+
+TRAIN_FLAGS = ['--device=cpu', '--dtype=float32', '--n_layer=2', '--n_head=4', '--n_kv_head=2', '--n_embd=32',
+               '--block_size=16', '--batch_size=4', '--eval_interval=4', '--eval_iters=2', '--log_interval=1',
+               '--dropout=0.1', '--learning_rate=1e-2', '--min_lr=1e-3', '--warmup_iters=2',
+               '--lr_decay_iters=8']  # explicit: lr_decay_iters=0 would follow max_iters, which run B changes
+
+
+SUBPROCESS_ENV = dict(os.environ, OMP_NUM_THREADS='1')  # see torch.set_num_threads(1) above
+
+
+def run_script(*args):
+    proc = subprocess.run([sys.executable, *args], cwd=HERE, capture_output=True, text=True, timeout=180,
+                          env=SUBPROCESS_ENV)
+    assert proc.returncode == 0, f"{args}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """Run A: 8 iterations straight. Run B: 4 iterations, then resumed to 8."""
+    root = tmp_path_factory.mktemp('runs')
+    data_dir = root / 'data'
+    (root / 'input.txt').write_text(TEXT)
+    meta = prepare(input=str(root / 'input.txt'), tokenizer='char', data_dir=str(data_dir))
+    a, b = root / 'a', root / 'b'
+    common = TRAIN_FLAGS + [f'--data_dir={data_dir}']
+    run_script('train.py', *common, f'--out_dir={a}', '--max_iters=8')
+    run_script('train.py', *common, f'--out_dir={b}', '--max_iters=4')
+    resumed = run_script('train.py', *common, f'--out_dir={b}', '--init_from=resume', '--max_iters=8')
+    return SimpleNamespace(a=a, b=b, meta=meta, resumed_stdout=resumed.stdout)
+
+
+def read_metrics(out_dir):
+    with open(out_dir / 'metrics.jsonl') as f:
+        return [json.loads(line) for line in f]
+
+
+TRAIN_KEYS = {'iter', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb'}
+EVAL_KEYS = {'iter', 'train_loss', 'val_loss'}
+
+
+def test_metrics_have_the_documented_keys(runs):
+    # Reference: the documented keys, and the loop's order: eval at 0, 4, 8, a training line per step.
+    lines = read_metrics(runs.a)
+    kinds = [('eval' if set(r) == EVAL_KEYS else 'train' if set(r) == TRAIN_KEYS else r, r['iter']) for r in lines]
+    assert kinds == ([('eval', 0)] + [('train', i) for i in range(1, 5)] + [('eval', 4)]
+                     + [('train', i) for i in range(5, 9)] + [('eval', 8)])
+    for r in lines:
+        if 'loss' in r:
+            assert r['mfu'] is None and r['tokens_per_sec'] > 0 and r['peak_mem_mb'] > 0
+            assert r['lr'] == get_lr(r['iter'] - 1, opt_cfg(learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+                                                             lr_decay_iters=8, max_iters=8))
+            assert math.isfinite(r['loss'])
+
+
+def test_resume_is_bitwise_identical(runs):
+    # Reference: run A, trained straight through; run B stopped at 4 and resumed must log the same losses
+    # and end with bitwise-equal weights and optimizer state (dropout 0.1 makes the RNG state matter).
+    assert 'resuming from' in runs.resumed_stdout
+    deterministic = ('iter', 'loss', 'lr', 'train_loss', 'val_loss')
+    strip = lambda lines: [{k: r[k] for k in deterministic if k in r} for r in lines]  # noqa: E731
+    assert strip(read_metrics(runs.b)) == strip(read_metrics(runs.a))
+    ca, cb = (torch.load(d / 'ckpt.pt', weights_only=True) for d in (runs.a, runs.b))
+    assert ca['iter_num'] == cb['iter_num'] == 8
+    assert ca['model'].keys() == cb['model'].keys()
+    for k in ca['model']:
+        assert torch.equal(ca['model'][k], cb['model'][k]), k
+    for pa, pb in zip(ca['optimizer']['state'].values(), cb['optimizer']['state'].values()):
+        for k in pa:
+            assert torch.equal(pa[k], pb[k]), k
+    # and the run did train: the weights moved away from the first checkpoint's
+    torch.manual_seed(train.DEFAULTS['seed'])  # train.py seeds, then builds the model
+    model = GPT(GPTConfig(**ca['model_args']))
+    assert not torch.equal(ca['model']['blocks.0.attn.qkv.weight'], model.blocks[0].attn.qkv.weight)
+    assert (runs.a / 'best.pt').exists()
+
+
+def test_sample_prints_text_from_the_vocabulary(runs):
+    # Reference: the dataset's character set (meta.json) and the prompt '\n' plus 20 new characters.
+    proc = run_script('sample.py', f'--out_dir={runs.a}', '--max_new_tokens=20', '--num_samples=1',
+                      '--device=cpu')
+    separator = '\n' + '-' * 80 + '\n'
+    assert proc.stdout.endswith(separator)
+    text = proc.stdout[:-len(separator)]
+    assert len(text) == 21 and text[0] == '\n'
+    assert set(text) <= set(runs.meta['chars'])
+
+
+def test_train_cli_reports_config_errors_without_traceback(tmp_path):
+    # Reference: the misspelled flag and its suggestion on stderr, a non-zero exit, no traceback.
+    proc = subprocess.run([sys.executable, 'train.py', '--learning_rat=1'], cwd=HERE, capture_output=True,
+                          text=True, timeout=60, env=SUBPROCESS_ENV)
+    assert proc.returncode != 0
+    assert "'learning_rat'" in proc.stderr and "'learning_rate'" in proc.stderr
+    assert 'Traceback' not in proc.stderr
