@@ -10,18 +10,20 @@ Features, each findable by name below:
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
 - MLP: SwiGLU (default), GeGLU or GELU.
 - Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth.
-- Activation checkpointing of whole blocks (`model.activation_checkpointing = 'full'`).
+- Activation checkpointing (`model.activation_checkpointing`): 'full' recomputes each block in backward;
+  'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
   device's bf16 peak (A100, H100, H200; None for unknown devices).
 - generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().
 """
 import math
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass
@@ -170,6 +172,22 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
+# ----------------------------------------------------------------------------------------------------
+# selective activation checkpointing: save what is expensive to recompute (matmuls, attention), recompute
+# the rest (norms, RoPE, activations, residual adds), which costs little time and holds most of the memory
+
+aten = torch.ops.aten
+SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_cudnn_attention.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -185,7 +203,7 @@ class GPT(nn.Module):
         cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base)
         self.register_buffer('cos', cos, persistent=False)  # recomputed, never saved in checkpoints
         self.register_buffer('sin', sin, persistent=False)
-        self.activation_checkpointing = 'none'  # 'full': recompute each block in backward
+        self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring
         self.apply(self._init_weights)
         # GPT-2: the two projections that write into the residual stream get std / sqrt(2 * n_layer),
         # so the residual's variance stays about constant with depth.
@@ -209,8 +227,11 @@ class GPT(nn.Module):
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         x = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
-            if self.activation_checkpointing == 'full' and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
+                context = (partial(create_selective_checkpoint_contexts, _selective_policy)
+                           if self.activation_checkpointing == 'selective' else None)
+                x = checkpoint(block, x, cos, sin, use_reentrant=False,
+                               **({'context_fn': context} if context else {}))
             else:
                 x = block(x, cos, sin, cache, layer)
         if cache is not None:

@@ -82,8 +82,8 @@ def random_batch(seed, batch_size, block_size, vocab_size):
 
 
 def opt_cfg(**overrides):
-    """The attributes of train.py's config that configure_optimizer and get_lr read."""
-    cfg = dict(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, warmup_iters=10,
+    """train.py's config, with the values that configure_optimizer and get_lr read set for the tests."""
+    cfg = dict(train.DEFAULTS, learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, warmup_iters=10,
                lr_decay_iters=100, max_iters=200, min_lr=1e-4)
     cfg.update(overrides)
     return SimpleNamespace(**cfg)

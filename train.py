@@ -75,8 +75,10 @@ label_smoothing = 0.0
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
 batch_size = 12
 gradient_accumulation_steps = 1
-# AdamW
-learning_rate = 6e-4
+# optimizer
+optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
+optimizer_offload = False       # keep AdamW's state in CPU memory (torchao; one CUDA GPU)
+learning_rate = 6e-4            # muon uses it too: its updates are scaled to AdamW's RMS
 weight_decay = 0.1              # applied to matrices only, never to norms
 beta1 = 0.9
 beta2 = 0.95
@@ -91,7 +93,9 @@ device = 'auto'                 # 'auto' (cuda, then mps, then cpu), 'cpu', 'cud
 dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16 uses a GradScaler)
 compile = False                 # torch.compile the model
 compile_mode = 'default'        # 'default', 'reduce-overhead' or 'max-autotune'
-activation_checkpointing = 'none'  # 'none', or 'full': recompute each block in backward
+activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
+fp8 = False                     # train the large linear layers in FP8 (torchao; CUDA capability >= 8.9)
+fp8_recipe = 'tensorwise'       # 'tensorwise' or 'rowwise' scaling
 max_nonfinite_steps = 10        # stop after this many consecutive steps with a NaN/inf loss or gradient
 parallelism = 'ddp'             # under torchrun: 'ddp' (replicate the model) or 'fsdp' (FSDP2: shard it)
 DEFAULTS = {k: v for k, v in dict(globals()).items()
@@ -240,13 +244,123 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
+class Optimizers:
+    """Several optimizers stepped as one: Muon for the blocks' matrices, AdamW for the rest."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self):  # looked up each time: loading a state dict replaces the groups
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
 def configure_optimizer(model, cfg, device_type):
-    """AdamW with weight decay on matrices (embeddings, linear weights) and none on norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
-              {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=(device_type == 'cuda'))
+    """The optimizer named by cfg.optimizer, with weight decay on matrices (embeddings, linear weights) only.
+
+    adamw: torch's AdamW, fused on CUDA (8 bytes of state per parameter); with optimizer_offload, torchao's
+    CPUOffloadOptimizer keeps that state in CPU memory and steps there. adamw8bit, paged_adamw8bit:
+    bitsandbytes' 8-bit AdamW (about 2 bytes per parameter; small tensors stay 32-bit, as bitsandbytes
+    decides; paged state lives in CUDA managed memory). muon: torch.optim.Muon on the blocks' matrices,
+    orthogonalized updates scaled to AdamW's RMS (Liu et al. 2025, https://arxiv.org/abs/2502.16982) so
+    that one learning_rate serves both, and AdamW on embeddings, head and norms.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{'params': [p for n, p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
+              {'params': [p for n, p in params if p.dim() < 2], 'weight_decay': 0.0}]
+    kwargs = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+    if cfg.optimizer == 'muon':
+        hidden = [p for n, p in params if p.dim() == 2 and n.startswith('blocks.')]
+        groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
+        muon = torch.optim.Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                adjust_lr_fn='match_rms_adamw')
+        return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=(device_type == 'cuda')))
+    if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
+        bnb = import_bitsandbytes(cfg.optimizer, device_type)
+        if cfg.optimizer == 'paged_adamw8bit':
+            need, free = 2 * sum(p.numel() for n, p in params), torch.cuda.mem_get_info()[0]
+            if need > free:  # managed memory beyond what the card has free can hang the GPU
+                raise TrainError(f"paged_adamw8bit needs about {need / 2**30:.1f} GiB of GPU memory for its "
+                                 f"state, and {free / 2**30:.1f} GiB is free")
+        cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == 'paged_adamw8bit' else bnb.optim.AdamW8bit
+        return cls(groups, **kwargs)
+    if cfg.optimizer_offload:
+        from torchao.optim import CPUOffloadOptimizer
+        return CPUOffloadOptimizer(groups, torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs, fused=(device_type == 'cuda'))
+
+
+def import_bitsandbytes(name, device_type):
+    """bitsandbytes, after one 8-bit step on the device proves that its native library works."""
+    if name == 'paged_adamw8bit' and device_type != 'cuda':
+        raise TrainError(f"optimizer={name} needs CUDA (its state lives in CUDA managed memory); use adamw8bit")
+    try:
+        import bitsandbytes as bnb
+        probe = torch.zeros(4096, device=device_type, requires_grad=True)
+        probe.grad = torch.ones_like(probe)
+        bnb.optim.AdamW8bit([probe]).step()
+    except Exception as e:
+        raise TrainError(f"optimizer={name} needs bitsandbytes, which "
+                         + ("is not installed" if isinstance(e, ImportError) else "cannot run here")
+                         + f" ({type(e).__name__}: {e}). Install it with `pip install bitsandbytes`, or use "
+                         f"optimizer=adamw") from None
+    return bnb
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state (moments, quantization maps, ...), each tensor counted once."""
+    seen = {}
+    for opt in getattr(optimizer, 'optimizers', [optimizer]):
+        for state in opt.state.values():
+            for t in state.values():
+                if torch.is_tensor(t):
+                    t = t.to_local() if hasattr(t, 'to_local') else t
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8
+
+def fp8_layer_filter(recipe):
+    """The linear layers worth training in FP8: dims multiples of 16 (a hardware requirement), large
+    enough that the FP8 matmul outruns its casts (thresholds from torchao's H100 tables for each
+    recipe), and never the output head, which shares its weight with the embedding."""
+    def keep(module, fqn):
+        if not isinstance(module, torch.nn.Linear) or fqn == 'lm_head':
+            return False
+        N, K = module.weight.shape  # out, in
+        if N % 16 or K % 16:
+            return False
+        if recipe == 'tensorwise':
+            return not (K <= 4096 and N <= 1024)
+        return N > 2048 and K > 1024 and not (N <= 4096 and K <= 2048)
+    return keep
+
+
+def convert_to_fp8(model, recipe, device):
+    """Swap the layers fp8_layer_filter keeps for torchao's Float8Linear; returns their names."""
+    device = torch.device(device)
+    if device.type != 'cuda' or torch.cuda.get_device_capability(device) < (8, 9):
+        where = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
+        raise TrainError(f"fp8=True needs a CUDA GPU of compute capability 8.9 or newer (H100, H200, L4, "
+                         f"RTX 4090, ...); this run is on {where}. Set fp8=False")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise TrainError(f"fp8=True needs torchao ({e}): `pip install torchao`") from None
+    keep = fp8_layer_filter(recipe)
+    names = [fqn for fqn, module in model.named_modules() if keep(module, fqn)]
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
+    return names
 
 
 def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0,
@@ -413,7 +527,8 @@ def stop_on_signals():
 def main(argv):
     """Check the config, join the other processes under torchrun, run, leave."""
     cfg = SimpleNamespace(**configure(DEFAULTS, argv))
-    checks = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full'),
+    checks = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full', 'selective'),
+              'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
               'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp')}
     for key, allowed in checks.items():
         if getattr(cfg, key) not in allowed:
@@ -477,6 +592,17 @@ def run(cfg, argv, device, rank, world):
     model.activation_checkpointing = cfg.activation_checkpointing
     torch.manual_seed(cfg.seed + rank)  # different dropout masks in each process
 
+    fp8_note = 'off'
+    if cfg.fp8:  # before sharding and compile, like every conversion of the model
+        names = convert_to_fp8(model, cfg.fp8_recipe, device)
+        fp8_note = f"{cfg.fp8_recipe}: {len(names)} linear layers ({', '.join(names) or 'none large enough'})"
+    if world > 1 and cfg.parallelism == 'fsdp' and cfg.optimizer != 'adamw':
+        raise ConfigError(f"optimizer={cfg.optimizer!r} does not work on FSDP's sharded parameters: "
+                          f"use parallelism='ddp' or optimizer='adamw'")
+    if cfg.optimizer_offload and (world > 1 or cfg.optimizer != 'adamw' or device_type != 'cuda' or dtype == 'float16'):
+        raise ConfigError("optimizer_offload=True works with optimizer='adamw' in one process on one CUDA GPU, "
+                          "in bfloat16 or float32")
+
     # ---- parallelism: DDP replicates the model, FSDP2 shards parameters, gradients and optimizer state
     wrapped, grad_sync, parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
     if world > 1 and cfg.parallelism == 'ddp':
@@ -497,10 +623,21 @@ def run(cfg, argv, device, rank, world):
         grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
         parallel_note = f'FSDP2, {world} processes'
     optimizer = configure_optimizer(model, cfg, device_type)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
+    opts = list(getattr(optimizer, 'optimizers', [optimizer]))
+
+    def optimizer_state():  # keyed by parameter name, so it loads under any number of processes
+        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+            return optimizer.state_dict()
+        return get_optimizer_state_dict(model, opts, options=full)
+
+    def load_optimizer_state(state):
+        if cfg.optimizer_offload:
+            return optimizer.load_state_dict(state)
+        set_optimizer_state_dict(model, opts, state, options=full)
 
     # ---- resume
     os.makedirs(cfg.out_dir, exist_ok=True)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
     ckpt_path, best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     iter_num, best_val_loss, rng, last_eval = 0, math.inf, None, None
@@ -517,7 +654,7 @@ def run(cfg, argv, device, rank, world):
         if changed:
             say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
         set_model_state_dict(model, ckpt['model'], options=full)
-        set_optimizer_state_dict(model, optimizer, ckpt['optimizer'], options=full)
+        load_optimizer_state(ckpt['optimizer'])
         scaler.load_state_dict(ckpt['scaler'])
         batches.load_state_dict(ckpt['batches'])
         iter_num, best_val_loss, rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
@@ -571,7 +708,10 @@ def run(cfg, argv, device, rank, world):
     say(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
     say(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
     say(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
-    say(f"  fused AdamW       {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    say(f"  optimizer         {cfg.optimizer}" + (', fused' if cfg.optimizer in ('adamw', 'muon') and device_type == 'cuda'
+                                                   else ' (fused AdamW is CUDA only)' if cfg.optimizer == 'adamw' else '')
+        + (', state offloaded to CPU' if cfg.optimizer_offload else ''))
+    say(f"  fp8               {fp8_note}")
     say(f"  parallelism       {parallel_note}")
     say(f"  compile           {compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
@@ -583,7 +723,7 @@ def run(cfg, argv, device, rank, world):
         rngs = [None] * world
         dist.all_gather_object(rngs, rng_state()) if world > 1 else rngs.__setitem__(0, rng_state())
         state = {'model': get_model_state_dict(model, options=full),
-                 'optimizer': get_optimizer_state_dict(model, optimizer, options=full),
+                 'optimizer': optimizer_state(),
                  'scaler': scaler.state_dict(), 'iter_num': iter_num, 'best_val_loss': best_val_loss,
                  'config': vars(cfg), 'model_args': model_config.to_dict(), 'meta': meta,
                  'batches': batches.state_dict(), 'rng': rngs, 'argv': list(argv),
@@ -603,6 +743,7 @@ def run(cfg, argv, device, rank, world):
     with stop_on_signals() as stop:
         if rng is not None:  # each process its own RNG state; one that the checkpoint lacks is seeded anew
             set_rng_state(rng[rank]) if rank < len(rng) else torch.manual_seed(cfg.seed + rank + iter_num)
+        state_reported = False
         bad_steps, skipped, saved_iter = 0, 0, (iter_num if cfg.init_from == 'resume' else None)
         t0, t0_iter = time.time(), iter_num
         while True:
@@ -649,6 +790,10 @@ def run(cfg, argv, device, rank, world):
                       + (f", {skipped} steps skipped" if skipped else ''))
                 log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
                      'peak_mem_mb': mem})
+                if not state_reported:  # the state exists once a step has run
+                    say(f"optimizer state: {optimizer_state_bytes(optimizer) / model.num_params():.2f} bytes per "
+                        f"parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
+                    state_reported = True
                 t0, t0_iter = time.time(), iter_num
             if agree(bool(stop), device, every=False):  # a signal to any process stops them all, at one step
                 save(ckpt_path)
