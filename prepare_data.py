@@ -146,9 +146,17 @@ def read_chunks(paths, split_at):
                     break
 
 
+_last_progress = [0.0]
+
+
 def progress(label, done, total, t0):
+    """A progress line on stderr, redrawn at most twice a second (and at the end)."""
+    now = time.time()
+    if now - _last_progress[0] < 0.5 and done < total:
+        return
+    _last_progress[0] = now
     print(f"\r{label}: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
-          f"{done / 1e6 / max(time.time() - t0, 1e-6):.1f} MB/s", end='', file=sys.stderr)
+          f"{done / 1e6 / max(now - t0, 1e-6):.1f} MB/s", end='\n' if done >= total else '', file=sys.stderr)
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -233,7 +241,6 @@ def write_tokens(paths, split_at, total, encode_chunk, eot, dtype, out_paths):
             counts[split] += ids.size
             done += len(data)
             progress('tokens', done, total, t0)
-    print(file=sys.stderr)
     return counts
 
 
@@ -244,7 +251,6 @@ def scan_chars(paths, total):
         chars.update(data.decode('utf-8', errors='replace'))
         done += len(data)
         progress('characters', done, total, t0)
-    print(file=sys.stderr)
     return ''.join(sorted(chars))
 
 

@@ -580,7 +580,8 @@ def run(cfg, argv, device, rank, world):
     val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, vocab)
     batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                       cfg.gradient_accumulation_steps, rank, world)
-    eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
+    eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters,
+                                  rank, world)
                    for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
 
     # ---- model and optimizer
@@ -701,15 +702,16 @@ def run(cfg, argv, device, rank, world):
     say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
-          f"token, vocab {vocab} ({meta['tokenizer']}, {meta['vocab_size']} used), "
-          f"{tokens_per_iter:,} tokens per iteration")
+        f"token, vocab {vocab} ({meta['tokenizer']}, {meta['vocab_size']} used), "
+        f"{tokens_per_iter:,} tokens per iteration")
     say("optimizations:")
     say(f"  device            {device}")
     say(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
     say(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
     say(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
-    say(f"  optimizer         {cfg.optimizer}" + (', fused' if cfg.optimizer in ('adamw', 'muon') and device_type == 'cuda'
-                                                   else ' (fused AdamW is CUDA only)' if cfg.optimizer == 'adamw' else '')
+    fused = cfg.optimizer in ('adamw', 'muon') and device_type == 'cuda' and not cfg.optimizer_offload
+    say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else ', AdamW unfused (fused is CUDA only)'
+                                                   if cfg.optimizer in ('adamw', 'muon') else '')
         + (', state offloaded to CPU' if cfg.optimizer_offload else ''))
     say(f"  fp8               {fp8_note}")
     say(f"  parallelism       {parallel_note}")
@@ -720,8 +722,10 @@ def run(cfg, argv, device, rank, world):
     def save(path):  # every process takes part (FSDP gathers the shards); process 0 writes
         if not agree(weights_finite(model), device):
             raise TrainError(f"iteration {iter_num}: the weights hold NaN/inf; not saving {path}")
-        rngs = [None] * world
-        dist.all_gather_object(rngs, rng_state()) if world > 1 else rngs.__setitem__(0, rng_state())
+        rngs = [rng_state()]
+        if world > 1:
+            rngs = [None] * world
+            dist.all_gather_object(rngs, rng_state())
         state = {'model': get_model_state_dict(model, options=full),
                  'optimizer': optimizer_state(),
                  'scaler': scaler.state_dict(), 'iter_num': iter_num, 'best_val_loss': best_val_loss,
@@ -741,8 +745,10 @@ def run(cfg, argv, device, rank, world):
 
     # ---- training loop
     with stop_on_signals() as stop:
-        if rng is not None:  # each process its own RNG state; one that the checkpoint lacks is seeded anew
-            set_rng_state(rng[rank]) if rank < len(rng) else torch.manual_seed(cfg.seed + rank + iter_num)
+        if rng is not None and rank < len(rng):  # each process its own RNG state
+            set_rng_state(rng[rank])
+        elif rng is not None:  # more processes than the checkpoint's run had
+            torch.manual_seed(cfg.seed + rank + iter_num)
         state_reported = False
         bad_steps, skipped, saved_iter = 0, 0, (iter_num if cfg.init_from == 'resume' else None)
         t0, t0_iter = time.time(), iter_num
@@ -769,7 +775,7 @@ def run(cfg, argv, device, rank, world):
             if not ok:
                 bad_steps, skipped = bad_steps + 1, skipped + 1
                 say(f"iter {iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
-                      f"step skipped ({bad_steps} in a row)", file=sys.stderr)
+                    f"step skipped ({bad_steps} in a row)", file=sys.stderr)
                 if bad_steps >= cfg.max_nonfinite_steps:
                     raise TrainError(f"iteration {iter_num}: {bad_steps} consecutive steps with a non-finite loss or "
                                      f"gradient; stopping. The last good checkpoint is {ckpt_path} "
@@ -785,9 +791,9 @@ def run(cfg, argv, device, rank, world):
                 mem = peak_memory_mb(device_type)
                 left = (cfg.max_iters - iter_num) * ms_per_iter / 1000
                 say(f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
-                      f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
-                      + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
-                      + (f", {skipped} steps skipped" if skipped else ''))
+                    f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
+                    + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
+                    + (f", {skipped} steps skipped" if skipped else ''))
                 log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
                      'peak_mem_mb': mem})
                 if not state_reported:  # the state exists once a step has run
