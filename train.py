@@ -293,7 +293,10 @@ def configure_optimizer(model, cfg, device_type):
         cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == 'paged_adamw8bit' else bnb.optim.AdamW8bit
         return cls(groups, **kwargs)
     if cfg.optimizer_offload:
-        from torchao.optim import CPUOffloadOptimizer
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError as e:
+            raise TrainError(f"optimizer_offload=True needs torchao ({e}): `pip install torchao`") from None
         return CPUOffloadOptimizer(groups, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs, fused=(device_type == 'cuda'))
 
@@ -630,9 +633,15 @@ def run(cfg, argv, device, rank, world):
     def optimizer_state():  # keyed by parameter name, so it loads under any number of processes
         if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
             return optimizer.state_dict()
+        # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
+        # taking a zero-gradient step, which counts as a step in AdamW's bias correction
+        if not agree(any(opt.state for opt in opts), device):
+            return None
         return get_optimizer_state_dict(model, opts, options=full)
 
     def load_optimizer_state(state):
+        if state is None:
+            return
         if cfg.optimizer_offload:
             return optimizer.load_state_dict(state)
         set_optimizer_state_dict(model, opts, state, options=full)

@@ -1,0 +1,819 @@
+"""
+Tests for the optimizer and precision branches of train.py and model.py: bitsandbytes' 8-bit AdamW, Muon
+(torch.optim.Muon on the blocks' matrices, AdamW on the rest), the errors for a missing or broken
+bitsandbytes, FP8 on a machine without it, the FP8 layer filter, selective activation checkpointing, and
+the option combinations that are refused. Each is checked against a reference computed here without the
+code under test: an uninterrupted run for resume, byte counts from the parameter shapes, a Newton-Schulz
+step written from the Muon paper, the layer sizes of the docstring's rule worked out by hand, the
+operators that autograd runs in backward, and so on. CPU, float32, tiny models; under ~90 s on 2 cores.
+
+    python -m pytest -q test_optim.py
+"""
+import collections
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train
+from configurator import ConfigError
+from model import GPT, GPTConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+torch.set_num_threads(1)  # tiny models: one thread is as fast and avoids OpenMP stalls on 2 cores
+SUBPROCESS_ENV = dict(os.environ, OMP_NUM_THREADS='1')
+NO_SCALER = torch.amp.GradScaler('cpu', enabled=False)  # what train.py uses in float32
+
+V = 40
+# n_embd=64: every matrix (wte 64x64, qkv 192x64, proj 64x64, up 384x64, down 64x192) has >= 4096
+# elements, so bitsandbytes keeps 8-bit state for all of them and 32-bit state only for the norms.
+TINY = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=64', '--block_size=16',
+        '--batch_size=4', '--eval_iters=2', '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2',
+        '--min_lr=1e-3']
+RESUME_FLAGS = ['--dropout=0.1', '--gradient_accumulation_steps=2', '--eval_interval=4', '--lr_decay_iters=10',
+                '--seed=7']
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+def write_data(d, vocab=V, period=23, n_train=2300, n_val=460, seed=0):
+    """train.bin / val.bin: a random sequence of `period` ids repeated (learnable), char-level meta.json."""
+    os.makedirs(d, exist_ok=True)
+    pattern = np.random.default_rng(seed).integers(0, vocab, period)
+    tr = np.resize(pattern, n_train).astype(np.uint16)
+    va = np.resize(pattern, n_val).astype(np.uint16)
+    tr.tofile(os.path.join(d, 'train.bin'))
+    va.tofile(os.path.join(d, 'val.bin'))
+    meta = dict(tokenizer='char', vocab_size=vocab, dtype='uint16', train_tokens=len(tr), val_tokens=len(va),
+                chars=''.join(chr(0x100 + i) for i in range(vocab)))
+    with open(os.path.join(d, 'meta.json'), 'w') as f:
+        json.dump(meta, f)
+    return str(d)
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_data(tmp_path / 'data')
+
+
+def args(data_dir, out_dir, *extra):
+    return TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
+
+
+def main_capture(argv):
+    """train.main(argv) in this process; returns (exit code, stdout)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = train.main(argv)
+    return code, buf.getvalue()
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def deterministic(lines):
+    keys = ('iter', 'loss', 'lr', 'train_loss', 'val_loss')
+    return [{k: r[k] for k in keys if k in r} for r in lines]
+
+
+def load(path):
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def assert_same(a, b, where='state'):
+    """Nested dicts / lists / tensors equal exactly (torch.equal for tensors, == for the rest)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f'{where}[{k!r}]')
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f'{where}[{i}]')
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_no_run_files(out_dir):
+    for name in ('metrics.jsonl', 'ckpt.pt', 'best.pt'):
+        assert not os.path.exists(os.path.join(out_dir, name)), f"{name} written: the run started"
+
+
+def opt_cfg(**overrides):
+    """train.py's config with the values configure_optimizer reads."""
+    cfg = dict(train.DEFAULTS, learning_rate=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95)
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+def tiny_model(seed=0, **overrides):
+    cfg = dict(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**cfg))
+
+
+def random_batch(seed, batch_size, block_size, vocab_size):
+    g = torch.Generator().manual_seed(seed)
+    d = torch.randint(vocab_size, (batch_size, block_size + 1), generator=g)
+    return d[:, :-1], d[:, 1:]
+
+
+class FixedBatch:
+    """train.Batches' interface, always the same (x, y)."""
+
+    def __init__(self, x, y):
+        self.batch = (x, y)
+
+    def next(self):
+        return self.batch
+
+
+def hidden_names(model):
+    """The matrices of the blocks: what Muon must hold."""
+    return {n for n, p in model.named_parameters() if n.startswith('blocks.') and p.dim() == 2}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1, 2. adamw8bit and muon train, and resume exactly
+
+def train_fixed_batch(optimizer_name, steps=30, seed=0):
+    """`steps` steps of train.train_step on one fixed batch; returns the losses and the model/optimizer."""
+    model = tiny_model(seed)
+    optimizer = train.configure_optimizer(model, opt_cfg(optimizer=optimizer_name), 'cpu')
+    batches = FixedBatch(*random_batch(1, 8, 16, V))
+    losses = []
+    for _ in range(steps):
+        loss, _, ok = train.train_step(model, optimizer, NO_SCALER, batches, 1, contextlib.nullcontext(), 1.0)
+        assert ok
+        losses.append(loss.item())
+    return losses, model, optimizer
+
+
+@pytest.mark.parametrize('name', ['adamw8bit', 'muon'])
+def test_optimizer_trains_a_tiny_model(name):
+    # Reference: the loss on a fixed batch at the start (about ln(64) for a fresh model). 30 steps at
+    # lr 1e-2 must cut it to a fraction: an optimizer that does not step, or steps the wrong way, fails.
+    losses, model, optimizer = train_fixed_batch(name)
+    assert abs(losses[0] - math.log(64)) < 0.3
+    assert losses[-1] < 0.35 * losses[0], losses
+    assert all(math.isfinite(x) for x in losses)
+    assert max(losses[-5:]) < min(losses[:5])
+
+
+def test_adamw8bit_follows_adamw_with_8bit_state():
+    # Reference: torch's 32-bit AdamW from the same start on the same batch. 8-bit AdamW approximates it,
+    # so the losses stay close; and the state of every matrix (>= 4096 elements) is uint8, of every norm
+    # float32 (bitsandbytes' rule), so it is really 8-bit and not a silent 32-bit fallback.
+    import bitsandbytes as bnb
+    l8, model, optimizer = train_fixed_batch('adamw8bit')
+    l32, _, _ = train_fixed_batch('adamw')
+    assert isinstance(optimizer, bnb.optim.AdamW8bit)
+    assert max(abs(a - b) for a, b in zip(l8, l32)) < 0.05 * l32[0], (l8, l32)
+    for n, p in model.named_parameters():
+        state = optimizer.state[p]
+        want = torch.uint8 if p.numel() >= 4096 else torch.float32
+        assert state['state1'].dtype == want and state['state2'].dtype == want, n
+    assert {n for n, p in model.named_parameters() if p.numel() >= 4096} == {
+        'wte.weight', 'blocks.0.attn.qkv.weight', 'blocks.0.attn.proj.weight', 'blocks.0.mlp.up.weight',
+        'blocks.0.mlp.down.weight'}
+    # weight decay on matrices only, with the configured betas
+    decay = {id(p) for g in optimizer.param_groups if g['weight_decay'] == 0.1 for p in g['params']}
+    no_decay = {id(p) for g in optimizer.param_groups if g['weight_decay'] == 0.0 for p in g['params']}
+    assert decay == {id(p) for p in model.parameters() if p.dim() == 2}
+    assert no_decay == {id(p) for p in model.parameters() if p.dim() == 1}
+    assert all(g['betas'] == (0.9, 0.95) for g in optimizer.param_groups)
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+    """For an optimizer: run A, 8 iterations straight; run B, 4 iterations then resumed to 8."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            data_dir = write_data(root / 'data')
+            a, b = root / 'a', root / 'b'
+            common = [*RESUME_FLAGS, f'--optimizer={name}']
+            code, out_a = main_capture(args(data_dir, a, *common, '--max_iters=8'))
+            assert code == 0
+            code, _ = main_capture(args(data_dir, b, *common, '--max_iters=4'))
+            assert code == 0
+            first_half = load(b / 'ckpt.pt')
+            code, out_b = main_capture(args(data_dir, b, *common, '--max_iters=8', '--init_from=resume'))
+            assert code == 0
+            cache[name] = SimpleNamespace(a=a, b=b, out_a=out_a, out_b=out_b, first_half=first_half)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize('name', ['adamw8bit', 'muon'])
+def test_resume_is_bit_exact(runs, name):
+    # Reference: run A, straight through. Run B, stopped at 4 and resumed (dropout 0.1 and 2 micro-steps,
+    # so the RNG, the sampler and the optimizer state all have to come back), must log the same losses and
+    # end with bitwise-equal weights and optimizer state.
+    r = runs(name)
+    assert f"resuming from {r.b / 'ckpt.pt'} at iteration 4" in r.out_b
+    want, got = deterministic(read_metrics(r.a)), deterministic(read_metrics(r.b))
+    assert [x['iter'] for x in got if 'loss' in x] == list(range(1, 9))
+    assert got == want, f"straight {want}\nresumed  {got}"
+    ca, cb = load(r.a / 'ckpt.pt'), load(r.b / 'ckpt.pt')
+    assert ca['iter_num'] == cb['iter_num'] == 8
+    assert_same(ca['model'], cb['model'], 'model')
+    assert_same(ca['optimizer'], cb['optimizer'], 'optimizer')
+    # the comparison is sensitive: the weights moved after the stop
+    assert not torch.equal(r.first_half['model']['blocks.0.attn.qkv.weight'], cb['model']['blocks.0.attn.qkv.weight'])
+    # and the checkpoint holds this optimizer's state, keyed by parameter name
+    state = ca['optimizer']['state']
+    if name == 'adamw8bit':
+        quant = lambda n: state[n].get('__bnb_optimizer_quant_state__', state[n])  # noqa: E731 (bnb nests it)
+        assert quant('blocks.0.mlp.up.weight')['state1'].dtype == torch.uint8
+        assert quant('blocks.0.attn_norm.weight')['state1'].dtype == torch.float32
+    else:
+        for n in ('blocks.0.attn.qkv.weight', 'blocks.0.attn.proj.weight', 'blocks.0.mlp.up.weight',
+                  'blocks.0.mlp.down.weight'):
+            assert set(state[n]) == {'momentum_buffer'}, n
+        for n in ('wte.weight', 'blocks.0.attn_norm.weight', 'norm.weight'):
+            assert {'exp_avg', 'exp_avg_sq'} <= set(state[n]), n
+
+
+def reported_bytes(stdout, name):
+    found = re.findall(r'optimizer state: ([0-9.]+) bytes per parameter \((\w+)\)', stdout)
+    assert len(found) == 1 and found[0][1] == name, found
+    return float(found[0][0])
+
+
+def test_optimizer_state_bytes_reported(runs):
+    # Reference: byte counts from the parameter shapes, computed here. AdamW: two float32 moments per
+    # parameter (8 bytes) plus a 4-byte step per tensor. Muon: one float32 momentum for the blocks'
+    # matrices, AdamW's 8 bytes for the rest. 8-bit AdamW: two uint8 moments for tensors of >= 4096
+    # elements, two float32 moments below that, plus small block scales and quantization maps.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**load(runs('adamw').a / 'ckpt.pt')['model_args']))
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    assert total == model.num_params()
+
+    adamw = reported_bytes(runs('adamw').out_a, 'adamw')
+    assert adamw == pytest.approx((8 * total + 4 * len(params)) / total, abs=0.006)
+    assert adamw == pytest.approx(8.0, abs=0.01)
+
+    hidden = hidden_names(model)
+    muon_bytes = sum(4 * p.numel() if n in hidden else 8 * p.numel() + 4 for n, p in params.items())
+    assert reported_bytes(runs('muon').out_a, 'muon') == pytest.approx(muon_bytes / total, abs=0.006)
+
+    eight = reported_bytes(runs('adamw8bit').out_a, 'adamw8bit')
+    n8 = sum(p.numel() for p in params.values() if p.numel() >= 4096)
+    n32 = total - n8
+    assert n8 > 0.95 * total  # the model is one whose matrices are 8-bit
+    floor = (2 * n8 + 8 * n32) / total  # the moments alone
+    assert floor <= eight <= floor + 0.1, (eight, floor)
+    assert eight < 4 and eight < adamw / 3
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. muon: which parameters, and what one update looks like
+
+@pytest.mark.parametrize('tie, qk_norm', [(True, False), (False, True)], ids=['tied', 'untied-qknorm'])
+def test_muon_split(tie, qk_norm):
+    # Reference: the names, listed here. Muon holds exactly the 2-D matrices under blocks.; AdamW holds
+    # the embedding (and an untied head) with weight decay and every norm without; each parameter once.
+    model = tiny_model(n_layer=2, tie_embeddings=tie, qk_norm=qk_norm)
+    cfg = opt_cfg(optimizer='muon', weight_decay=0.25)
+    optimizer = train.configure_optimizer(model, cfg, 'cpu')
+    assert isinstance(optimizer, train.Optimizers)
+    muon, adamw = optimizer.optimizers
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = lambda groups: [name_of[id(p)] for g in groups for p in g['params']]  # noqa: E731
+
+    want_hidden = {f'blocks.{i}.{m}.weight' for i in range(2)
+                   for m in ('attn.qkv', 'attn.proj', 'mlp.up', 'mlp.down')}
+    assert sorted(names(muon.param_groups)) == sorted(want_hidden)
+    g = muon.param_groups[0]
+    assert len(muon.param_groups) == 1
+    assert g['adjust_lr_fn'] == 'match_rms_adamw' and g['lr'] == cfg.learning_rate
+    assert g['weight_decay'] == 0.25
+
+    norms = {f'blocks.{i}.{m}.weight' for i in range(2) for m in ('attn_norm', 'mlp_norm')} | {'norm.weight'}
+    if qk_norm:
+        norms |= {f'blocks.{i}.attn.{m}.weight' for i in range(2) for m in ('q_norm', 'k_norm')}
+    decayed = {'wte.weight'} | (set() if tie else {'lm_head.weight'})
+    by_decay = collections.defaultdict(list)
+    for group in adamw.param_groups:
+        by_decay[group['weight_decay']] += names([group])
+    assert sorted(by_decay[0.25]) == sorted(decayed)
+    assert sorted(by_decay[0.0]) == sorted(norms)
+    assert set(by_decay) == {0.25, 0.0}
+
+    every = names(muon.param_groups) + names(adamw.param_groups)
+    assert len(every) == len(set(every)) == len(list(model.parameters()))  # each exactly once
+    assert set(every) == set(name_of.values())
+    # the training loop sets the lr through Optimizers.param_groups: it must reach both optimizers
+    for group in optimizer.param_groups:
+        group['lr'] = 0.123
+    assert all(g['lr'] == 0.123 for o in (muon, adamw) for g in o.param_groups)
+
+
+def newton_schulz_ref(G, steps=5):
+    """Keller Jordan's quintic Newton-Schulz iteration (the Muon paper's), in float64: G scaled to unit
+    Frobenius norm, X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.double()
+    tall = X.size(0) > X.size(1)
+    if tall:
+        X = X.T
+    X = X / X.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return (X.T if tall else X).float()
+
+
+def spread_gradient(shape, generator, lo=1.0, hi=20.0):
+    """U diag(s) V^T with random orthonormal U, V and singular values s spread from lo to hi: a gradient
+    far from orthogonal whose polar factor U V^T is known exactly."""
+    A, B = shape
+    k = min(A, B)
+    U, _ = torch.linalg.qr(torch.randn(A, k, generator=generator))
+    V, _ = torch.linalg.qr(torch.randn(B, k, generator=generator))
+    s = torch.logspace(math.log10(lo), math.log10(hi), k)
+    return (U * s) @ V.T, U @ V.T
+
+
+def test_muon_update_matches_a_hand_written_step():
+    # Reference: Muon written from the papers (Jordan 2024; Liu et al. 2025, "match_rms_adamw"):
+    # B <- mu B + g, nesterov u = g + mu B, O = NS5(u), W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O,
+    # computed here in float64, for two steps with two different gradients (the second step tells nesterov
+    # momentum from none: 30% apart). torch runs NS in bfloat16 (1.3% apart here), hence the 3% tolerance.
+    # A wrong lr scaling ('original': 1 or sqrt(3) instead of 1.6 or 2.8), momentum without nesterov, or
+    # weight decay left out (large wd here: 20-45% of the step) are far outside it.
+    lr, wd, mu = 2e-2, 4.0, 0.95
+    model = tiny_model(n_layer=2)
+    optimizer = train.configure_optimizer(model, opt_cfg(optimizer='muon', learning_rate=lr, weight_decay=wd), 'cpu')
+    hidden = hidden_names(model)
+    params = dict(model.named_parameters())
+    ref = {n: params[n].detach().clone() for n in hidden}
+    bufs = {n: torch.zeros_like(ref[n]) for n in hidden}
+    gen = torch.Generator().manual_seed(0)
+    for step in (1, 2):
+        for n, p in params.items():
+            p.grad = spread_gradient(p.shape, gen)[0] if n in hidden else torch.randn(p.shape, generator=gen)
+        for n in hidden:
+            g = params[n].grad
+            bufs[n] = mu * bufs[n] + g
+            u = g + mu * bufs[n]
+            A, B = ref[n].shape
+            ref[n] = ref[n] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(A, B)) * newton_schulz_ref(u)
+        before = {n: params[n].detach().clone() for n in hidden}
+        optimizer.step()
+        for n in sorted(hidden):
+            got_step, want_step = params[n].detach() - before[n], ref[n] - before[n]
+            rel = ((got_step - want_step).norm() / want_step.norm()).item()
+            assert rel < 0.03, f"{n} step {step}: relative error {rel:.3f}"
+            params[n].data.copy_(ref[n])  # keep both on the same trajectory
+
+
+def test_muon_update_is_orthogonal_and_rms_matched():
+    # Reference: linear algebra, and AdamW's first step by formula. For gradients whose singular values
+    # spread from 1 to 20, one Muon step from zero momentum removes the spread: the update, with weight
+    # decay undone and divided by lr * 0.2 * sqrt(max(A, B)), has singular values all near 1 (NS5 gives
+    # roughly 0.7 to 1.2) and points along the gradient's polar factor U V^T; its RMS is then about
+    # 0.2 * lr, AdamW's typical update size (what match_rms_adamw is for; 'original' scaling would give
+    # 0.13 lr for 64x64 but 0.05 lr for 64x192).
+    lr, wd = 1e-2, 0.1
+    model = tiny_model()
+    optimizer = train.configure_optimizer(model, opt_cfg(optimizer='muon', learning_rate=lr, weight_decay=wd), 'cpu')
+    gen = torch.Generator().manual_seed(3)
+    params = dict(model.named_parameters())
+    hidden = hidden_names(model)
+    polar = {}
+    for n, p in params.items():
+        if n in hidden:
+            p.grad, polar[n] = spread_gradient(p.shape, gen)
+        else:
+            p.grad = torch.randn(p.shape, generator=gen)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    optimizer.step()
+    for n in sorted(hidden):
+        A, B = params[n].shape
+        step = before[n] * (1 - lr * wd) - params[n].detach()
+        O = step / (lr * 0.2 * math.sqrt(max(A, B)))
+        sv = torch.linalg.svdvals(O)
+        assert sv.min() > 0.6 and sv.max() < 1.3, f"{n}: singular values {sv.min():.3f}..{sv.max():.3f}"
+        cos = (O * polar[n]).sum() / (O.norm() * polar[n].norm())
+        assert cos > 0.98, f"{n}: cosine with U V^T {cos:.3f}"
+        rms = step.pow(2).mean().sqrt() / lr
+        assert 0.15 < rms < 0.22, f"{n}: update RMS / lr = {rms:.3f}"
+    # the rest is AdamW's: its first step moves each weight by lr * sign(grad), after weight decay on the
+    # embedding (wd) and none on the norms
+    for n in sorted(set(params) - hidden):
+        decay = wd if n == 'wte.weight' else 0.0
+        step = before[n] * (1 - lr * decay) - params[n].detach()
+        torch.testing.assert_close(step, lr * params[n].grad.sign(), rtol=0, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize('name', ['muon', 'adamw8bit'])
+def test_grad_scaler_drives_every_optimizer(name):
+    # Reference: the same steps without a GradScaler. fp16 runs (GPUs without bf16) step the optimizer
+    # through torch.amp.GradScaler: with a power-of-two scale the unscaled gradients are exact, so the
+    # weights must be bitwise equal; and a step with an infinite gradient must be skipped by every
+    # optimizer inside train.Optimizers (Muon's and AdamW's parameters both unchanged).
+    results = []
+    for enabled in (False, True):
+        model = tiny_model()
+        optimizer = train.configure_optimizer(model, opt_cfg(optimizer=name), 'cpu')
+        scaler = torch.amp.GradScaler('cpu', enabled=enabled, init_scale=2.0 ** 10)
+        batches = FixedBatch(*random_batch(1, 4, 16, V))
+        for _ in range(3):
+            _, _, ok = train.train_step(model, optimizer, scaler, batches, 1, contextlib.nullcontext(), 1.0)
+            assert ok
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert_same(results[0], results[1], 'weights with and without GradScaler')
+
+    # an overflowing step (finite loss, infinite gradient): the scaler skips it for all parameters
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state_before = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                    for opt in getattr(optimizer, 'optimizers', [optimizer]) for n, p in model.named_parameters()
+                    if p in opt.state}
+    real_forward = model.forward
+    model.forward = lambda *a, **k: (lambda out: (out[0], InfGrad.apply(out[1])))(real_forward(*a, **k))
+    _, norm, ok = train.train_step(model, optimizer, scaler, batches, 1, contextlib.nullcontext(), 1.0)
+    model.forward = real_forward
+    assert not math.isfinite(norm.item()) and scaler.get_scale() < 2.0 ** 10  # seen as an overflow
+    assert_same(before, {n: p.detach().clone() for n, p in model.named_parameters()}, 'weights after a skipped step')
+    state_after = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                   for opt in getattr(optimizer, 'optimizers', [optimizer]) for n, p in model.named_parameters()
+                   if p in opt.state}
+    assert_same(state_before, state_after, 'optimizer state after a skipped step')
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward (the loss stays finite), infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float('inf')
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. bitsandbytes missing or broken: a clear error, never a silent fallback
+
+def fake_bitsandbytes(step_error):
+    """A module that imports as bitsandbytes, but whose 8-bit step fails like a missing native library."""
+    bnb = types.ModuleType('bitsandbytes')
+
+    class AdamW8bit(torch.optim.Optimizer):
+        def __init__(self, params, **kw):
+            super().__init__(params, dict(lr=1e-3))
+
+        def step(self, closure=None):
+            raise step_error
+    bnb.optim = types.SimpleNamespace(AdamW8bit=AdamW8bit, PagedAdamW8bit=AdamW8bit)
+    return bnb
+
+
+def forbid_fallback(monkeypatch):
+    """Make any construction of torch's AdamW fail loudly: a 32-bit fallback would show up here."""
+    def no_adamw(*a, **k):
+        raise AssertionError('fell back to torch.optim.AdamW')
+    monkeypatch.setattr(torch.optim, 'AdamW', no_adamw)
+
+
+@pytest.mark.parametrize('how', ['not-installed', 'step-raises', 'import-raises-oserror'])
+def test_adamw8bit_without_working_bitsandbytes_is_an_error(data, tmp_path, monkeypatch, how):
+    # Reference: the documented message (names bitsandbytes and `pip install bitsandbytes`), raised
+    # before the run starts: out_dir gets no metrics.jsonl and no checkpoint, and torch's AdamW is never
+    # built in its place.
+    if how == 'not-installed':
+        monkeypatch.setitem(sys.modules, 'bitsandbytes', None)  # `import bitsandbytes` raises ImportError
+        detail = 'not installed'
+    elif how == 'step-raises':
+        monkeypatch.setitem(sys.modules, 'bitsandbytes', fake_bitsandbytes(
+            RuntimeError('libbitsandbytes_cpu.so: cannot open shared object file')))
+        detail = 'cannot run here'
+    else:
+        fake = tmp_path / 'fake' / 'bitsandbytes'
+        fake.mkdir(parents=True)
+        (fake / '__init__.py').write_text("raise OSError('libcudart.so.12: cannot open shared object file')\n")
+        monkeypatch.delitem(sys.modules, 'bitsandbytes', raising=False)
+        monkeypatch.syspath_prepend(str(tmp_path / 'fake'))
+        detail = 'cannot run here'
+    forbid_fallback(monkeypatch)
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError) as e:
+        main_capture(args(data, out, '--optimizer=adamw8bit'))
+    msg = str(e.value)
+    assert 'bitsandbytes' in msg and '`pip install bitsandbytes`' in msg and detail in msg, msg
+    if how != 'not-installed':
+        assert 'cannot open shared object file' in msg  # the underlying cause is passed on
+    assert_no_run_files(out)
+
+
+def test_adamw8bit_missing_bitsandbytes_cli_exits_nonzero(data, tmp_path):
+    # Reference: the CLI contract: exit status 1, one "train.py: error:" line naming bitsandbytes, no
+    # traceback, no files. bitsandbytes is hidden in the child process before train.py runs as __main__.
+    out = tmp_path / 'out'
+    code = ("import runpy, sys; sys.modules['bitsandbytes'] = None; "
+            f"sys.argv = ['train.py'] + {args(data, out, '--optimizer=adamw8bit')!r}; "
+            "runpy.run_path('train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True, text=True, timeout=120,
+                          env=SUBPROCESS_ENV)
+    assert proc.returncode == 1, proc.stderr
+    assert 'train.py: error:' in proc.stderr and 'pip install bitsandbytes' in proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert_no_run_files(out)
+
+
+def test_paged_adamw8bit_on_cpu_names_cuda(data, tmp_path, monkeypatch):
+    # Reference: paged state lives in CUDA managed memory: on CPU an error naming CUDA, before the run.
+    forbid_fallback(monkeypatch)
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError) as e:
+        main_capture(args(data, out, '--optimizer=paged_adamw8bit'))
+    assert 'CUDA' in str(e.value) and 'paged_adamw8bit' in str(e.value)
+    assert_no_run_files(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. FP8 on a machine without it
+
+def test_fp8_on_cpu_stops_before_training(data, tmp_path):
+    # Reference: the requirement (compute capability 8.9) and the device the run is on, before any file.
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError) as e:
+        main_capture(args(data, out, '--fp8=True'))
+    msg = str(e.value)
+    assert '8.9' in msg and 'cpu' in msg and 'fp8' in msg, msg
+    assert_no_run_files(out)
+    model = tiny_model()
+    with pytest.raises(train.TrainError, match='8.9'):
+        train.convert_to_fp8(model, 'rowwise', 'cpu')
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # left unchanged
+
+
+def test_fp8_on_cpu_cli_exits_nonzero(data, tmp_path):
+    out = tmp_path / 'out'
+    proc = subprocess.run([sys.executable, 'train.py', *args(data, out, '--fp8=True')], cwd=HERE,
+                          capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
+    assert proc.returncode != 0
+    assert 'train.py: error:' in proc.stderr and '8.9' in proc.stderr and 'cpu' in proc.stderr, proc.stderr
+    assert 'Traceback' not in proc.stderr
+    assert_no_run_files(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. the FP8 layer filter
+
+def rule(recipe, N, K):
+    """The docstring's rule, written out (N = out_features, K = in_features)."""
+    if N % 16 or K % 16:
+        return False
+    if recipe == 'tensorwise':
+        return not (K <= 4096 and N <= 1024)
+    return N > 2048 and K > 1024 and not (N <= 4096 and K <= 2048)
+
+
+def kept(config, recipe):
+    with torch.device('meta'):
+        model = GPT(config)
+    keep = train.fp8_layer_filter(recipe)
+    names = [fqn for fqn, m in model.named_modules() if keep(m, fqn)]
+    for fqn, m in model.named_modules():  # the rule, layer by layer
+        if isinstance(m, nn.Linear):
+            N, K = m.weight.shape
+            assert (fqn in names) == (fqn != 'lm_head' and rule(recipe, N, K)), (fqn, N, K)
+        else:
+            assert fqn not in names
+    return names
+
+
+def per_block(n_layer, *layers):
+    return [f'blocks.{i}.{m}' for i in range(n_layer) for m in layers]
+
+
+GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, mlp='swiglu')
+ONE_B = dict(n_layer=2, n_head=16, n_embd=2048, vocab_size=50304, block_size=1024, mlp='swiglu')
+
+
+@pytest.mark.parametrize('shape, recipe, want', [
+    # GPT-2 124M, swiglu: qkv 2304x768, proj 768x768, up 4096x768, down 768x2048 (N x K)
+    (GPT2, 'tensorwise', per_block(12, 'attn.qkv', 'mlp.up')),
+    (GPT2, 'rowwise', []),
+    # 1B-ish: qkv 6144x2048, proj 2048x2048, up 11008x2048, down 2048x5504
+    (ONE_B, 'tensorwise', per_block(2, 'attn.qkv', 'attn.proj', 'mlp.up', 'mlp.down')),
+    (ONE_B, 'rowwise', per_block(2, 'attn.qkv', 'mlp.up')),
+    # 1B with 4 kv heads: qkv 3072x2048 falls under rowwise's (N <= 4096 and K <= 2048) exclusion
+    (dict(ONE_B, n_kv_head=4), 'rowwise', per_block(2, 'mlp.up')),
+    (dict(ONE_B, n_kv_head=4), 'tensorwise', per_block(2, 'attn.qkv', 'attn.proj', 'mlp.up', 'mlp.down')),
+    # GPT-2 with a GELU MLP: up 3072x768 kept, down 768x3072 not (K <= 4096 and N <= 1024)
+    (dict(GPT2, mlp='gelu'), 'tensorwise', per_block(12, 'attn.qkv', 'mlp.up')),
+    # an untied 50304x2048 head is never converted
+    (dict(ONE_B, tie_embeddings=False), 'rowwise', per_block(2, 'attn.qkv', 'mlp.up')),
+    # n_embd 2040 (head_dim 170): every K is 2040, not a multiple of 16: nothing qualifies
+    (dict(ONE_B, n_embd=2040, n_head=12), 'tensorwise', []),
+    (dict(ONE_B, n_embd=2040, n_head=12), 'rowwise', []),
+], ids=['gpt2-tensorwise', 'gpt2-rowwise', '1b-tensorwise', '1b-rowwise', '1b-gqa-rowwise', '1b-gqa-tensorwise',
+        'gpt2-gelu-tensorwise', '1b-untied-rowwise', 'not-16-tensorwise', 'not-16-rowwise'])
+def test_fp8_layer_filter(shape, recipe, want):
+    # Reference: the layers worked out by hand from the shapes in the comments, and the docstring's rule
+    # checked layer by layer in kept(). The models are built on the meta device (no memory).
+    assert kept(GPTConfig(**shape), recipe) == want
+
+
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise'])
+def test_fp8_filter_rejects_dims_not_multiple_of_16_and_the_head(recipe):
+    # Reference: 8192 x 8192 is large enough for both recipes; 8 more rows or columns break the
+    # multiple-of-16 requirement; the head is never kept whatever its size; other modules never.
+    keep = train.fp8_layer_filter(recipe)
+    with torch.device('meta'):
+        big = nn.Linear(8192, 8192, bias=False)
+        odd_in = nn.Linear(8192 + 8, 8192, bias=False)     # K = 8200
+        odd_out = nn.Linear(8192, 8192 + 8, bias=False)    # N = 8200
+        next16 = nn.Linear(8192 + 16, 8192 + 16, bias=False)
+        emb = nn.Embedding(8192, 8192)
+    assert keep(big, 'blocks.0.mlp.up') and keep(next16, 'blocks.0.mlp.up')
+    assert not keep(odd_in, 'blocks.0.mlp.up') and not keep(odd_out, 'blocks.0.mlp.up')
+    assert not keep(big, 'lm_head')
+    assert not keep(emb, 'wte')
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. selective activation checkpointing
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators that run while it is active, by name (mm, silu, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_backward(mode, dropout):
+    """Loss, gradients and the operators of backward for one checkpointing mode (same seed each time)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                          dropout=dropout))
+    model.activation_checkpointing = mode
+    x, y = random_batch(0, 4, 16, 32)
+    torch.manual_seed(123)
+    _, loss = model(x, y)
+    with OpCounter() as counter:
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counter.counts
+
+
+def attention_forwards(counts):
+    return sum(c for name, c in counts.items() if 'scaled_dot_product' in name and not name.endswith('backward'))
+
+
+@pytest.mark.parametrize('dropout', [0.0, 0.1])
+def test_selective_checkpointing_same_loss_and_grads(dropout):
+    # Reference: the same model, seed and batch without checkpointing (dropout 0.1 too: the recomputation
+    # must draw the same masks).
+    loss0, g0, _ = forward_backward('none', dropout)
+    for mode in ('selective', 'full'):
+        loss, g, _ = forward_backward(mode, dropout)
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0)
+        for n in g0:
+            torch.testing.assert_close(g[n], g0[n], rtol=1e-6, atol=1e-9, msg=f'{mode}: {n}')
+
+
+@pytest.mark.parametrize('dropout', [0.0, 0.1], ids=['flash-cpu', 'math-attention'])
+def test_selective_checkpointing_recomputes_only_cheap_ops(dropout):
+    # Reference: the operators backward runs without checkpointing. 'selective' must run exactly as many
+    # matmuls (mm, bmm) and no attention forward: their outputs were saved; but it recomputes the cheap
+    # ops (silu, rsqrt of the norms), which 'none' never runs in backward. 'full' recomputes matmuls and
+    # attention too. (dropout 0.1 sends CPU attention down the math path: bmm + softmax.)
+    _, _, none = forward_backward('none', dropout)
+    _, _, sel = forward_backward('selective', dropout)
+    _, _, full = forward_backward('full', dropout)
+    for op in ('mm', 'addmm', 'bmm'):
+        assert sel[op] == none[op], (op, dict(sel), dict(none))
+    assert attention_forwards(sel) == attention_forwards(none) == 0
+    assert none['silu'] == 0 and none['rsqrt'] == 0
+    assert sel['silu'] >= 2 and sel['rsqrt'] >= 2  # one silu and two norms per block, 2 blocks
+    assert full['mm'] > none['mm']
+    if dropout == 0.0:
+        assert attention_forwards(full) > 0
+    else:
+        assert full['bmm'] > none['bmm']
+
+
+def test_selective_checkpointing_trains_end_to_end(data, tmp_path):
+    # Reference: the same run without checkpointing: the logged losses must agree (recomputation is the
+    # same math), and they must go down.
+    code, out_sel = main_capture(args(data, tmp_path / 'sel', '--max_iters=12', '--eval_interval=6',
+                                      '--dropout=0.1', '--activation_checkpointing=selective'))
+    assert code == 0
+    assert re.search(r'act\. checkpoint\s+selective', out_sel)
+    code, _ = main_capture(args(data, tmp_path / 'none', '--max_iters=12', '--eval_interval=6', '--dropout=0.1'))
+    assert code == 0
+    sel, none = deterministic(read_metrics(tmp_path / 'sel')), deterministic(read_metrics(tmp_path / 'none'))
+    assert [r['iter'] for r in sel] == [r['iter'] for r in none]
+    for a, b in zip(sel, none):
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (a, b)
+    losses = [r['loss'] for r in sel if 'loss' in r]
+    assert losses[-1] < 0.75 * losses[0], losses
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. combinations that are refused
+
+@pytest.mark.parametrize('extra, words', [
+    (['--optimizer_offload=True'], ['optimizer_offload=True', 'CUDA']),
+    (['--optimizer_offload=True', '--optimizer=muon'], ['optimizer_offload=True', "optimizer='adamw'"]),
+    (['--optimizer=adam'], ["optimizer='adam'", "'adamw'", "'adamw8bit'", "'paged_adamw8bit'", "'muon'"]),
+    (['--fp8_recipe=blockwise'], ["fp8_recipe='blockwise'", "'tensorwise'", "'rowwise'"]),
+    (['--fp8=True', '--fp8_recipe=mxfp8'], ["fp8_recipe='mxfp8'", "'tensorwise'", "'rowwise'"]),
+], ids=['offload-on-cpu', 'offload-with-muon', 'unknown-optimizer', 'unknown-fp8-recipe', 'fp8-unknown-recipe'])
+def test_refused_combinations(data, tmp_path, extra, words):
+    # Reference: the words each message must hold (the bad setting and what is allowed); no run files.
+    out = tmp_path / 'out'
+    with pytest.raises(ConfigError) as e:
+        main_capture(args(data, out, *extra))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert_no_run_files(out)
+
+
+def test_optimizer_offload_without_torchao_is_a_clear_error(monkeypatch):
+    # Reference: the README (torchao is not in requirements.txt, `pip install torchao` on the GPU
+    # machine) and fp8's handling of the same import: a TrainError naming torchao and how to install it.
+    # device_type='cuda' is the only case run() lets through to configure_optimizer; no GPU is touched
+    # before the import.
+    monkeypatch.setitem(sys.modules, 'torchao', None)
+    monkeypatch.setitem(sys.modules, 'torchao.optim', None)
+    model = tiny_model()
+    with pytest.raises(train.TrainError) as e:
+        train.configure_optimizer(model, opt_cfg(optimizer_offload=True), 'cuda')
+    assert 'torchao' in str(e.value) and 'pip install torchao' in str(e.value)
+
+
+@pytest.mark.parametrize('name', ['adamw', 'adamw8bit'])
+def test_optimizer_step_count_equals_iterations(data, tmp_path, name):
+    # Reference: AdamW counts one `step` per optimizer.step(); train.py steps once per iteration, so after
+    # 3 iterations the checkpoint's optimizer state must say step 3. (A phantom step with a zero gradient
+    # makes the first real update of AdamW sqrt(1 + beta2) / (1 + beta1) = 0.73 of its size.)
+    out = tmp_path / 'out'
+    # eval_interval=100: the run evaluates, and saves, at iteration 0 only (and saves again at the end)
+    code, _ = main_capture(args(data, out, f'--optimizer={name}', '--max_iters=3', '--eval_interval=100'))
+    assert code == 0
+    state = load(out / 'ckpt.pt')['optimizer']['state']
+    steps = {n: int(s['step']) for n, s in state.items()}
+    assert set(steps.values()) == {3}, steps
+
+
+def test_first_iteration_of_main_is_one_plain_adamw_step(data, tmp_path):
+    # Reference: the same model (seed), the same first batch (train.Batches with the run's seed), the same
+    # lr (get_lr(0)) and one train.train_step with a fresh AdamW, outside main(): the weights main() saves
+    # after its first iteration must be these.
+    out = tmp_path / 'out'
+    code, _ = main_capture(args(data, out, '--max_iters=1'))
+    assert code == 0
+    got = load(out / 'ckpt.pt')['model']
+
+    cfg = SimpleNamespace(**train.configure(train.DEFAULTS, args(data, out, '--max_iters=1')))
+    meta = train.read_meta(data)
+    tokens = train.load_tokens(data, 'train', meta, cfg.block_size, 64)
+
+    def fresh_model():
+        torch.manual_seed(cfg.seed)
+        return GPT(GPTConfig(**{k: getattr(cfg, k) for k in train.MODEL_KEYS if hasattr(cfg, k)} | {'vocab_size': 64}))
+    model = fresh_model()
+    optimizer = train.configure_optimizer(model, cfg, 'cpu')
+    for group in optimizer.param_groups:
+        group['lr'] = train.get_lr(0, cfg)
+    batches = train.Batches(tokens, cfg.batch_size, cfg.block_size, 'cpu', cfg.seed)
+    train.train_step(model, optimizer, NO_SCALER, batches, 1, contextlib.nullcontext(), cfg.grad_clip)
+    want, init = model.state_dict(), fresh_model().state_dict()
+    assert not torch.equal(want['blocks.0.mlp.up.weight'], init['blocks.0.mlp.up.weight'])
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=k)
