@@ -194,6 +194,8 @@ class Batches:
         self.device, self.seed = torch.device(device), seed
         self.groups, self.rank, self.world = groups, rank, world
         self.share = len(range(rank, groups, world))  # micro-batches of each draw that are this rank's
+        if self.share == 0:
+            raise ValueError(f"process {rank} of {world} gets no micro-batch of a draw of {groups}")
         self.generator = torch.Generator()
         self.reset()
 
@@ -410,11 +412,13 @@ def estimate_loss(model, splits, eval_iters, autocast):
     for name, batches in splits.items():
         batches.reset()
         total = torch.zeros((), device=batches.device)
-        for _ in range(batches.share):
-            x, y = batches.next()
+        # every process runs the same number of forwards (under FSDP each one is a collective); where the
+        # batches do not divide evenly, a process repeats a batch and gives it no weight
+        for i in range(math.ceil(batches.groups / batches.world)):
+            x, y = batches.next() if i < batches.share else batches.next_batch
             with autocast:
                 _, loss = model(x, y)
-            total += loss.float()
+            total += loss.float() * (i < batches.share)
         if dist.is_initialized():
             dist.all_reduce(total)
         out[name] = (total / eval_iters).item()
@@ -545,6 +549,9 @@ def main(argv):
     if cfg.gradient_accumulation_steps % world:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is the global number of "
                           f"micro-batches per step and must be divisible by the number of processes ({world})")
+    if cfg.eval_iters < world:
+        raise ConfigError(f"eval_iters={cfg.eval_iters} is the global number of eval batches, shared among the "
+                          f"processes: give at least one to each of the {world}")
     device = pick_device(cfg.device)
     if world > 1 and device == 'cuda':
         device = f"cuda:{os.environ['LOCAL_RANK']}"

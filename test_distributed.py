@@ -1,0 +1,495 @@
+"""
+Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a
+single-process run of the same global batch as the reference: DDP and FSDP2 must log the same per-step
+and eval losses and end with the same weights; checkpoints must resume across process counts (2 -> 1 and
+1 -> 2); only process 0 prints and logs; eval averages over all processes; SIGTERM to the launcher stops
+both processes at one step with a checkpoint that resumes; gradient_accumulation_steps not divisible by
+the number of processes is a clear error. Batches' split of the windows among processes is checked
+in-process against the one-process draw.
+
+    python -m pytest -q test_distributed.py
+
+Each torchrun launch costs a few seconds (three Python processes import torch), so the runs are made
+once, in module-scoped fixtures, and shared by the tests that read them.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+torch.set_num_threads(1)  # the tiny models here; see test_train.py
+ENV = dict(os.environ, OMP_NUM_THREADS='1')
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py']
+V = 40
+# lr_decay_iters is fixed: left at 0 it follows max_iters, which would change the schedule between a run
+# stopped at 3 and one run to 6.
+FLAGS = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4',
+         '--gradient_accumulation_steps=2', '--eval_interval=3', '--eval_iters=4', '--log_interval=1',
+         '--device=cpu', '--dtype=float32', '--warmup_iters=0', '--learning_rate=1e-2', '--lr_decay_iters=6',
+         '--dropout=0']
+RUN_TIMEOUT = 120  # seconds; a run here takes 3-10 s
+LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+def write_data(d, vocab=V, n_train=4000, n_val=800, seed=0):
+    """train.bin / val.bin of uniform random ids in [0, vocab) and a char-level meta.json."""
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tr = rng.integers(0, vocab, n_train).astype(np.uint16)
+    va = rng.integers(0, vocab, n_val).astype(np.uint16)
+    tr.tofile(os.path.join(d, 'train.bin'))
+    va.tofile(os.path.join(d, 'val.bin'))
+    meta = dict(tokenizer='char', vocab_size=vocab, dtype='uint16', train_tokens=len(tr), val_tokens=len(va),
+                chars=''.join(chr(0x100 + i) for i in range(vocab)))
+    with open(os.path.join(d, 'meta.json'), 'w') as f:
+        json.dump(meta, f)
+    return str(d)
+
+
+def descendants(pid):
+    """Process ids below pid (from /proc), children first: torchrun's workers are its children."""
+    children = {}
+    for entry in (os.listdir('/proc') if os.path.isdir('/proc') else []):
+        if entry.isdigit():
+            try:
+                with open(f'/proc/{entry}/stat') as f:
+                    ppid = int(f.read().rsplit(')', 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc):
+    """SIGKILL a launcher we started and the workers it started (found before the launcher dies)."""
+    for pid in descendants(proc.pid) + [proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+class Launch:
+    """train.py in 1 or 2 processes, stdout and stderr together in out_dir.log (a file, not a pipe: a
+    pipe nobody reads would block a long run)."""
+
+    def __init__(self, nproc, out_dir, data_dir, *extra):
+        self.out_dir, self.nproc = str(out_dir), nproc
+        self.log_path = self.out_dir + '.log'
+        cmd = (TORCHRUN if nproc == 2 else [sys.executable, 'train.py']) + \
+            FLAGS + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
+        self.cmd = ' '.join(cmd)
+        self._log = open(self.log_path, 'w')
+        self.proc = subprocess.Popen(cmd, cwd=HERE, env=ENV, stdout=self._log, stderr=subprocess.STDOUT)
+        self.rc, self.timed_out = None, False
+
+    def wait(self, timeout=RUN_TIMEOUT):
+        try:
+            self.rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            kill_tree(self.proc)
+            self.rc = self.proc.returncode
+        self._log.close()
+        with open(self.log_path) as f:
+            self.output = f.read()
+        return self
+
+    def describe(self):
+        state = 'TIMED OUT (killed)' if self.timed_out else f'exit {self.rc}'
+        return f"{self.cmd}\n-> {state}; output (tail):\n{self.output[-4000:]}"
+
+    def check(self):
+        assert self.rc == 0 and not self.timed_out, self.describe()
+        return self
+
+    def metrics(self):
+        with open(os.path.join(self.out_dir, 'metrics.jsonl')) as f:
+            return [json.loads(line) for line in f]
+
+    def ckpt(self, name='ckpt.pt'):
+        return torch.load(os.path.join(self.out_dir, name), map_location='cpu', weights_only=True)
+
+
+def run(nproc, out_dir, data_dir, *extra, timeout=RUN_TIMEOUT):
+    return Launch(nproc, out_dir, data_dir, *extra).wait(timeout)
+
+
+def kind(record):
+    return 'eval' if 'val_loss' in record else 'train' if 'loss' in record else f'unknown {sorted(record)}'
+
+
+def assert_metrics_close(got, want, rel=1e-5, where=''):
+    """The same lines (iteration and kind) in the same order; losses within rel; lr equal."""
+    assert [(kind(r), r['iter']) for r in got] == [(kind(r), r['iter']) for r in want], where
+    for g, w in zip(got, want):
+        for key in LOSS_KEYS:
+            if key in w:
+                assert g[key] == pytest.approx(w[key], rel=rel, abs=0), \
+                    f"{where} iter {w['iter']} {key}: {g[key]!r} vs {w[key]!r}"
+        if 'lr' in w:
+            assert g['lr'] == pytest.approx(w['lr'], rel=1e-12), f"{where} iter {w['iter']} lr"
+
+
+def assert_tensors_close(got, want, atol, where, scaled=False):
+    """Nested dicts/lists of tensors and plain values: plain tensors (no DTensor shards) of the same shape
+    and dtype within atol (scaled: atol times the tensor's largest magnitude, for the optimizer's moments,
+    which are far smaller than 1); everything else equal."""
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor, f"{where}: {type(got).__name__}, expected a plain torch.Tensor"
+        assert got.shape == want.shape and got.dtype == want.dtype, \
+            f"{where}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+        diff = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+        bound = atol * (want.double().abs().max().item() if scaled and want.numel() else 1.0)
+        assert diff <= bound, f"{where}: max abs difference {diff:.3g} > {bound:.3g}"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(map(str, got)) == sorted(map(str, want)), \
+            f"{where}: keys {sorted(map(str, got))} vs {sorted(map(str, want))}"
+        for k in want:
+            assert_tensors_close(got[k], want[k], atol, f'{where}[{k!r}]', scaled)
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: {got!r} vs {want!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_tensors_close(g, w, atol, f'{where}[{i}]', scaled)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-12), f"{where}: {got!r} vs {want!r}"
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+def assert_same_state(got, want, where):
+    """Weights within 1e-5, the optimizer state (whole tensors keyed by parameter name) within 1e-5 of each
+    tensor's scale, the data sampler's generator identical: a checkpoint does not depend on the number of
+    processes that wrote it. (On the CPU in float32 all of it is in fact bitwise equal today.)"""
+    assert got['iter_num'] == want['iter_num'], where
+    assert_tensors_close(got['model'], want['model'], 1e-5, f'{where} model')
+    assert_tensors_close(got['optimizer'], want['optimizer'], 1e-5, f'{where} optimizer', scaled=True)
+    assert torch.equal(got['batches']['generator'], want['batches']['generator']), f'{where}: batches state'
+
+
+def log_lines(output, pattern):
+    """The iterations of the lines matching `iter N: <pattern>` in the combined output, in order."""
+    return [int(m) for m in re.findall(rf'^iter (\d+): {pattern}', output, re.M)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# runs, shared by the tests
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp('dist')
+
+
+@pytest.fixture(scope='module')
+def data(root):
+    return write_data(root / 'data')
+
+
+@pytest.fixture(scope='module')
+def single6(root, data):
+    """The reference: one process, 6 iterations (eval at 0, 3, 6)."""
+    return run(1, root / 'single6', data, '--max_iters=6').check()
+
+
+@pytest.fixture(scope='module')
+def single3(root, data):
+    """One process stopped at 3 (copied, then resumed under torchrun by the 1 -> 2 tests)."""
+    return run(1, root / 'single3', data, '--max_iters=3').check()
+
+
+@pytest.fixture(scope='module', params=['ddp', 'fsdp'])
+def par6(request, root, data):
+    """Two processes, 6 iterations, DDP or FSDP2."""
+    p = request.param
+    r = run(2, root / f'{p}6', data, '--max_iters=6', f'--parallelism={p}').check()
+    r.parallelism = p
+    return r
+
+
+@pytest.fixture(scope='module', params=['ddp-2to1', 'fsdp-2to1', 'ddp-1to2', 'fsdp-1to2'])
+def resumed(request, root, data, single3):
+    """A run to 3 iterations in one process count, resumed to 6 in the other."""
+    p, direction = request.param.split('-')
+    out = root / request.param
+    if direction == '2to1':
+        first = run(2, out, data, '--max_iters=3', f'--parallelism={p}').check()
+        second = run(1, out, data, '--max_iters=6', f'--parallelism={p}', '--init_from=resume').check()
+    else:
+        shutil.copytree(single3.out_dir, out)
+        first = single3
+        second = run(2, out, data, '--max_iters=6', f'--parallelism={p}', '--init_from=resume').check()
+    return SimpleNamespace(name=request.param, first=first, second=second, world_after=2 if direction == '1to2' else 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1, 5: DDP and FSDP2 match one process
+
+def test_two_processes_log_the_single_process_losses(par6, single6):
+    # Reference: the single-process run of the same global batch (2 x 4 windows per step, same draws).
+    assert_metrics_close(par6.metrics(), single6.metrics(), where=par6.parallelism)
+    assert [r['iter'] for r in par6.metrics() if kind(r) == 'train'] == [1, 2, 3, 4, 5, 6]
+
+
+def test_eval_losses_are_averaged_over_all_processes(par6, single6):
+    # Reference: the single-process eval losses. Each process evaluates half of the eval_iters batches; a
+    # rank-0-only mean, or one not divided by eval_iters, would differ from these.
+    got = [r for r in par6.metrics() if kind(r) == 'eval']
+    want = [r for r in single6.metrics() if kind(r) == 'eval']
+    assert [r['iter'] for r in got] == [r['iter'] for r in want] == [0, 3, 6]
+    for g, w in zip(got, want):
+        for key in ('train_loss', 'val_loss'):
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=0), (par6.parallelism, g['iter'], key)
+    # the printed eval lines agree with the logged ones
+    printed = re.findall(r'^iter (\d+): train loss ([\d.]+), val loss ([\d.]+)', par6.output, re.M)
+    assert [(int(i), float(t), float(v)) for i, t, v in printed] == \
+        [(r['iter'], round(r['train_loss'], 4), round(r['val_loss'], 4)) for r in got]
+
+
+def test_two_processes_end_with_the_single_process_weights(par6, single6):
+    # Reference: the single-process checkpoint. FSDP's must hold whole tensors under the plain parameter
+    # names (gathered from the shards), the same optimizer state and the same data position.
+    got, want = par6.ckpt(), single6.ckpt()
+    assert got['iter_num'] == 6
+    assert_same_state(got, want, par6.parallelism)
+    assert got['model_args'] == want['model_args']
+    # best.pt: the weights at the best eval (iteration 6 here, the loss falls), also whole
+    assert_tensors_close(par6.ckpt('best.pt')['model'], single6.ckpt('best.pt')['model'], 1e-5,
+                         f'{par6.parallelism} best.pt model')
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4: only process 0 prints and logs
+
+def test_only_rank_zero_prints_and_logs(par6, single6):
+    out = par6.output
+    # Reference: one line per iteration, as in the single-process run's output.
+    assert log_lines(out, 'loss ') == [1, 2, 3, 4, 5, 6], out[-3000:]
+    assert log_lines(out, 'train loss ') == [0, 3, 6], out[-3000:]
+    assert log_lines(single6.output, 'loss ') == [1, 2, 3, 4, 5, 6]
+    for pattern in (r'^config:$', r'^model: ', r'^optimizations:$', r'^done: '):
+        assert len(re.findall(pattern, out, re.M)) == 1, (pattern, out[-3000:])
+    assert f'{"FSDP2" if par6.parallelism == "fsdp" else "DDP"}, 2 processes' in out
+    # metrics.jsonl: exactly one line per logged iteration, in the loop's order
+    assert [(kind(r), r['iter']) for r in par6.metrics()] == \
+        [('eval', 0)] + [('train', i) for i in (1, 2, 3)] + [('eval', 3)] + \
+        [('train', i) for i in (4, 5, 6)] + [('eval', 6)]
+    # one RNG state per process, each its own (the processes are seeded seed + rank)
+    for name in ('ckpt.pt', 'best.pt'):
+        rng = par6.ckpt(name)['rng']
+        assert len(rng) == 2, name
+        assert not torch.equal(rng[0]['torch'], rng[1]['torch']), name
+    assert len(single6.ckpt()['rng']) == 1
+    # only process 0 writes files: nothing else in out_dir
+    assert sorted(os.listdir(par6.out_dir)) == ['best.pt', 'ckpt.pt', 'metrics.jsonl']
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2: checkpoints resume across process counts
+
+def test_resume_across_process_counts(resumed, single6):
+    # Reference: the uninterrupted single-process run to 6. The run stopped at 3 (in one process count)
+    # and resumed to 6 (in the other) must log the same losses and end with the same state.
+    r = resumed
+    assert 'resuming from' in r.second.output and 'at iteration 3' in r.second.output, r.second.describe()
+    assert_metrics_close(r.second.metrics(), single6.metrics(), where=r.name)
+    got = r.second.ckpt()
+    assert_same_state(got, single6.ckpt(), r.name)
+    assert len(got['rng']) == r.world_after, r.name
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3: gradient_accumulation_steps must split evenly among the processes
+
+def test_accumulation_not_divisible_by_processes_is_an_error(root, data):
+    r = run(2, root / 'accum3', data, '--max_iters=2', '--gradient_accumulation_steps=3')
+    assert r.rc != 0 and not r.timed_out, r.describe()
+    errors = re.findall(r'^train\.py: error: (.*)$', r.output, re.M)
+    assert errors, r.describe()
+    assert all('gradient_accumulation_steps' in e for e in errors), errors  # the key is named
+    assert not log_lines(r.output, '') and not os.path.exists(os.path.join(r.out_dir, 'ckpt.pt'))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5 (uneven shares): eval_iters not divisible by the number of processes
+
+@pytest.fixture(scope='module')
+def single_eval(root, data):
+    """The single-process eval losses at iteration 0 for a given eval_iters (max_iters=0: eval only)."""
+    cache = {}
+
+    def get(eval_iters):
+        if eval_iters not in cache:
+            cache[eval_iters] = run(1, root / f'single_eval{eval_iters}', data, '--max_iters=0',
+                                    f'--eval_iters={eval_iters}').check().metrics()
+        return cache[eval_iters]
+    return get
+
+
+HANG_TIMEOUT = 30  # seconds; these runs take about 6 s
+
+
+@pytest.mark.parametrize('parallelism, eval_iters', [('ddp', 5), ('fsdp', 5), ('ddp', 1)])
+def test_eval_iters_not_divisible_by_processes(parallelism, eval_iters, root, data, single_eval):
+    # eval_iters=5 with 2 processes: process 0 evaluates 3 batches, process 1 evaluates 2; eval_iters=1:
+    # process 1 evaluates none. Reference: the single-process eval losses over the same batches.
+    # Acceptable outcomes: those losses, or a clear config error naming eval_iters. Not acceptable: a
+    # hang (under FSDP every forward is a collective all-gather, so a process with one forward more than
+    # the other waits for a partner that never comes) or a crash with a traceback.
+    r = run(2, root / f'{parallelism}_eval{eval_iters}', data, '--max_iters=0', f'--eval_iters={eval_iters}',
+            f'--parallelism={parallelism}', timeout=HANG_TIMEOUT)
+    assert not r.timed_out, (f"HANG: eval_iters={eval_iters} under {parallelism} with 2 processes did not "
+                             f"finish in {HANG_TIMEOUT} s (it takes about 6 s when it works)\n" + r.describe())
+    if r.rc != 0:
+        assert 'train.py: error:' in r.output and 'eval_iters' in r.output, \
+            f"eval_iters={eval_iters} under {parallelism}: a crash, not a clear error\n" + r.describe()
+        return
+    want = single_eval(eval_iters)
+    assert len(want) == 1 and kind(want[0]) == 'eval'
+    assert_metrics_close(r.metrics(), want, where=f'{parallelism} eval_iters={eval_iters}')
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6: Batches splits the one-process draw among the processes (in-process, no torchrun)
+
+@pytest.mark.parametrize('groups', [4, 6, 3])
+def test_batches_split_the_single_process_draw(groups):
+    from train import Batches
+    tokens = np.arange(3000, dtype=np.uint16)  # a window's first token is its start: easy to compare
+    B, T, steps, world = 3, 8, 5, 2
+
+    def draws(rank, w):
+        b = Batches(tokens, B, T, 'cpu', seed=7, groups=groups, rank=rank, world=w)
+        assert b.share == len(range(rank, groups, w))
+        return [[b.next() for _ in range(b.share)] for _ in range(steps)]
+
+    ref = draws(0, 1)
+    parts = [draws(r, world) for r in range(world)]
+    for step in range(steps):
+        assert len(ref[step]) == groups
+        union = {}
+        for rank in range(world):
+            for j, (x, y) in enumerate(parts[rank][step]):
+                union[rank + j * world] = (x, y)  # rank r holds micro-batches r, r + world, ...
+        assert sorted(union) == list(range(groups))
+        for m, (x, y) in enumerate(ref[step]):
+            ux, uy = union[m]
+            assert x.shape == (B, T) and x.dtype == torch.int64
+            assert torch.equal(ux, x) and torch.equal(uy, y), (groups, step, m)
+            assert torch.equal(y[:, :-1], x[:, 1:])  # targets are the inputs shifted by one
+    # the draws do differ between steps and micro-batches (a constant batch would pass the above)
+    firsts = {tuple(x[:, 0].tolist()) for step in ref for x, _ in step}
+    assert len(firsts) == steps * groups
+
+
+def test_batches_with_no_share_for_a_process():
+    # groups=1, world=2 (what eval_iters=1 would give under 2 processes; train.py refuses that config):
+    # process 1 has no micro-batch of the draw. Reference: process 0 draws exactly the one-process
+    # batches, and Batches refuses to build a sampler that could never yield a batch.
+    from train import Batches
+    tokens = np.arange(3000, dtype=np.uint16)
+    ref = Batches(tokens, 3, 8, 'cpu', seed=7, groups=1, rank=0, world=1)
+    r0 = Batches(tokens, 3, 8, 'cpu', seed=7, groups=1, rank=0, world=2)
+    for _ in range(3):
+        assert torch.equal(r0.next()[0], ref.next()[0])
+    with pytest.raises(ValueError, match='no micro-batch'):
+        Batches(tokens, 3, 8, 'cpu', seed=7, groups=1, rank=1, world=2)
+
+
+@pytest.mark.parametrize('rank, world', [(0, 1), (0, 2), (1, 2)])
+def test_batches_state_dict_reproduces_the_next_batches(rank, world):
+    from train import Batches
+    tokens = np.arange(3000, dtype=np.uint16)
+    B, T, groups = 3, 8, 4
+    make = lambda seed: Batches(tokens, B, T, 'cpu', seed=seed, groups=groups, rank=rank, world=world)  # noqa: E731
+    b = make(7)
+    for _ in range(3 * b.share):  # three steps
+        b.next()
+    state = b.state_dict()
+    expected = [b.next() for _ in range(4 * b.share)]
+    # restored into a sampler seeded differently, and through torch.save / weights_only load
+    path = os.path.join(os.environ.get('TMPDIR', '/tmp'), f'batches-state-{os.getpid()}-{rank}-{world}.pt')
+    torch.save(state, path)
+    try:
+        state = torch.load(path, weights_only=True)
+    finally:
+        os.remove(path)
+    c = make(99)
+    c.next()
+    c.load_state_dict(state)
+    for i, (x, y) in enumerate(expected):
+        cx, cy = c.next()
+        assert torch.equal(cx, x) and torch.equal(cy, y), i
+    # a state saved by a 2-process run continues the 1-process draw, and the other way
+    other = Batches(tokens, B, T, 'cpu', seed=1, groups=groups, rank=0, world=3 - world)
+    other.load_state_dict(state)
+    full = Batches(tokens, B, T, 'cpu', seed=1, groups=groups, rank=0, world=1)
+    full.load_state_dict(state)
+    whole = [full.next() for _ in range(groups)]
+    for j in range(other.share):
+        assert torch.equal(other.next()[0], whole[j * (3 - world)][0])
+    for j in range(b.share):
+        assert torch.equal(expected[j][0], whole[rank + j * world][0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7: SIGTERM to the launcher
+
+def test_sigterm_stops_both_processes_at_one_step_and_resumes(root, data):
+    out = root / 'sigterm'
+    long_run = ['--eval_interval=1000', '--lr_decay_iters=1000']  # eval at 0 only; a fixed schedule
+    launch = Launch(2, out, data, *long_run, '--max_iters=1000')
+    metrics = os.path.join(str(out), 'metrics.jsonl')
+    deadline = time.time() + 90
+    try:
+        while time.time() < deadline and launch.proc.poll() is None:  # wait for a training line
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    if any('"loss"' in line for line in f):
+                        break
+            time.sleep(0.1)
+        assert launch.proc.poll() is None, "the run ended before the signal:\n" + launch.wait(1).describe()
+        launch.proc.send_signal(signal.SIGTERM)  # to the launcher only; it forwards it to the workers
+        launch.wait(90)
+    finally:
+        if launch.rc is None:
+            launch.wait(0)
+    out_text = launch.output
+    assert not launch.timed_out, launch.describe()
+    assert launch.rc != 0, launch.describe()
+    saved = re.findall(r'^SIGTERM: saved .*ckpt\.pt at iteration (\d+)\. Resume with:', out_text, re.M)
+    assert len(saved) == 1, launch.describe()
+    stopped = int(saved[0])
+    assert 1 <= stopped < 1000
+    # both workers exited by themselves within the launcher's grace period, without a traceback
+    assert 'forcefully exiting via 9' not in out_text, launch.describe()
+    assert not re.search(r'File ".*train\.py", line', out_text), launch.describe()
+    ckpt = launch.ckpt()
+    assert ckpt['iter_num'] == stopped and len(ckpt['rng']) == 2
+    lines = launch.metrics()
+    assert [r['iter'] for r in lines if kind(r) == 'train'] == list(range(1, stopped + 1))
+
+    # the checkpoint resumes (here in one process) and repeats an uninterrupted run's losses and weights
+    end = stopped + 2
+    resumed = run(1, out, data, *long_run, f'--max_iters={end}', '--init_from=resume').check()
+    reference = run(1, root / 'sigterm_ref', data, *long_run, f'--max_iters={end}').check()
+    assert_metrics_close(resumed.metrics(), reference.metrics(), where='sigterm resume')
+    assert_same_state(resumed.ckpt(), reference.ckpt(), 'sigterm resume')
