@@ -265,7 +265,7 @@ class Optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
 
-def configure_optimizer(model, cfg, device_type):
+def configure_optimizer(model, cfg, device_type, fused=None):
     """The optimizer named by cfg.optimizer, with weight decay on matrices (embeddings, linear weights) only.
 
     adamw: torch's AdamW, fused on CUDA (8 bytes of state per parameter); with optimizer_offload, torchao's
@@ -273,8 +273,10 @@ def configure_optimizer(model, cfg, device_type):
     bitsandbytes' 8-bit AdamW (about 2 bytes per parameter; small tensors stay 32-bit, as bitsandbytes
     decides; paged state lives in CUDA managed memory). muon: torch.optim.Muon on the blocks' matrices,
     orthogonalized updates scaled to AdamW's RMS (Liu et al. 2025, https://arxiv.org/abs/2502.16982) so
-    that one learning_rate serves both, and AdamW on embeddings, head and norms.
+    that one learning_rate serves both, and AdamW on embeddings, head and norms. fused=False asks for torch's
+    default AdamW kernels (multi-tensor on CUDA) instead of the fused one, as bench.py's early rungs do.
     """
+    fused = (device_type == 'cuda') if fused is None else fused
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{'params': [p for n, p in params if p.dim() >= 2], 'weight_decay': cfg.weight_decay},
               {'params': [p for n, p in params if p.dim() < 2], 'weight_decay': 0.0}]
@@ -284,7 +286,7 @@ def configure_optimizer(model, cfg, device_type):
         groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
         muon = torch.optim.Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                 adjust_lr_fn='match_rms_adamw')
-        return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=(device_type == 'cuda')))
+        return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=fused or None))
     if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
         bnb = import_bitsandbytes(cfg.optimizer, device_type)
         if cfg.optimizer == 'paged_adamw8bit':
@@ -300,7 +302,7 @@ def configure_optimizer(model, cfg, device_type):
         except ImportError as e:
             raise TrainError(f"optimizer_offload=True needs torchao ({e}): `pip install torchao`") from None
         return CPUOffloadOptimizer(groups, torch.optim.AdamW, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs, fused=(device_type == 'cuda'))
+    return torch.optim.AdamW(groups, **kwargs, fused=fused or None)  # None: torch's default kernels
 
 
 def import_bitsandbytes(name, device_type):
@@ -560,7 +562,10 @@ def main(argv):
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
     try:
-        return run(cfg, argv, device, rank, world)
+        code = run(cfg, argv, device, rank, world)
+        if world > 1:
+            dist.barrier()  # leave together: no process tears down the group while another still uses it
+        return code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,418 @@
+"""
+Benchmark the speed-ups of model.py and train.py as an ablation ladder, each rung adding one optimization
+to the rung before, then the memory options, each alone on top of the last rung; or (--mode=fit) find the
+largest micro-batch that fits in GPU memory. Steps, optimizer and data are train.py's.
+
+    python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
+    python bench.py                                  # GPU: the 124M GPT-2 shape, batch 16 x 1024 tokens
+    python bench.py --preset=tiny --compile=False    # seconds; presets: tiny, small, gpt2
+    python bench.py --batch_size=8 --n_layer=24 --steps=20 --out=bench_h100
+    python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
+
+The ladder:
+  1 fp32 eager       float32, SDPA's unfused math kernel (SDPBackend.MATH), separate q/k/v projections
+                     (SeparateQKVAttention below), AdamW unfused (foreach kernels on CUDA), no compile
+  2 + TF32           float32 matmuls on TF32 tensor cores (CUDA only)
+  3 + bf16 autocast  mixed precision as train.pick_dtype chooses it: bf16, or fp16 + GradScaler on GPUs
+                     without bf16; off on the CPU (as in train.py) unless --dtype=bfloat16
+  4 + SDPA flash     scaled_dot_product_attention picks its kernel (flash / memory-efficient)
+  5 + fused QKV      one matmul for q, k and v: model.py's attention
+  6 + fused AdamW    the whole optimizer step in one kernel (CUDA only, as configure_optimizer does)
+  7 + torch.compile  the model compiled (default mode)
+  then, each alone on top of rung 7: activation checkpointing 'full' and 'selective', 8-bit AdamW
+  (bitsandbytes), FP8 linear layers (torchao; CUDA capability >= 8.9).
+A rung that cannot run here is listed as skipped, with the reason; the ladder goes on from the rung
+before it. All rungs start from the same weights and train on the same batches (data_dir's train.bin, or
+seeded random tokens), so a rung that breaks the math shows in the loss: the float32 rungs agree to ~1e-6.
+Each rung: `warmup` steps untimed, then the median of `repeats` device-synchronized timings of `steps`
+steps. MFU: model.estimate_mfu (float32 against the TF32 peak; n/a off A100/H100/H200). Peak memory:
+torch.cuda.max_memory_allocated over the timed steps (n/a on CPU). Written to out/: bench.json, bench.md
+and bench.png (tokens/s and peak memory), with device, torch, model, batch, date and command line.
+"""
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import train
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig, apply_rotary
+
+DEFAULTS = dict(
+    mode='ladder',          # 'ladder', or 'fit': the largest micro-batch that fits in GPU memory
+    preset='auto',          # 'auto' (gpt2 on CUDA, small elsewhere), 'tiny', 'small' or 'gpt2'
+    device='auto',          # as in train.py
+    dtype='auto',           # rung 3: 'auto' (train.pick_dtype), 'bfloat16' or 'float16'
+    compile=True,           # False skips the torch.compile rung (the memory rungs then run eager)
+    n_layer=0, n_head=0, n_embd=0, vocab_size=0, block_size=0, batch_size=0,  # 0: the preset's
+    warmup=0, steps=0,                                                        # 0: the preset's
+    repeats=3,              # timings of `steps` steps, of which the median counts
+    n_kv_head=0,            # 0: n_head
+    gradient_accumulation_steps=1,
+    data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
+    seed=1337,
+    threads=0,              # torch's CPU threads; 0: its default. NOTE: on a busy machine 1 can be faster
+    tokens_per_step=524288,  # fit mode: the tokens of one optimizer step (GPT-2: 0.5M)
+    out='bench_out',
+)
+PRESETS = {  # shape, batch and timing
+    'tiny': dict(n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=32, batch_size=4, warmup=1, steps=2),
+    'small': dict(n_layer=4, n_head=4, n_embd=128, vocab_size=128, block_size=128, batch_size=8, warmup=2, steps=5),
+    'gpt2': dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=16, warmup=3,
+                 steps=10)}
+SHAPE = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size', 'block_size')
+
+
+class BenchError(RuntimeError):
+    """A request bench.py cannot carry out: reported as one message, without a traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# the attention before QKV fusion (rungs 1-4); model.py keeps only the fused one
+
+class SeparateQKVAttention(nn.Module):
+    """model.CausalSelfAttention with three projections for q, k and v instead of one fused matmul.
+    Its weights are copies of the fused weight's slices, so both compute the same function."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = H, Hkv, D = fused.n_head, fused.n_kv_head, fused.head_dim
+        weights = fused.qkv.weight.detach().split([H * D, Hkv * D, Hkv * D])  # rows: [q, k, v]
+        self.q, self.k, self.v = (nn.Linear(w.size(1), w.size(0), bias=False, device='meta') for w in weights)
+        for linear, w in zip((self.q, self.k, self.v), weights):
+            linear.weight = nn.Parameter(w.clone())
+        self.proj, self.q_norm, self.k_norm, self.dropout = fused.proj, fused.q_norm, fused.k_norm, fused.dropout
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        assert cache is None, "training only: generate with model.py's attention"
+        B, T, C = x.size()
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
+        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(H != Hkv),
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the rungs: what each one changes, why one cannot run here, and one rung's run
+
+BASE = dict(tf32=False, dtype='float32', attention='math', fused_qkv=False, fused_adamw=False, compile=False,
+            checkpointing='none', optimizer='adamw', fp8=False)
+LADDER = [('fp32 eager', {}), ('+ TF32', dict(tf32=True)), ('+ bf16 autocast', dict(dtype='mixed')),
+          ('+ SDPA flash', dict(attention='auto')), ('+ fused QKV', dict(fused_qkv=True)),
+          ('+ fused AdamW', dict(fused_adamw=True)), ('+ torch.compile', dict(compile=True))]
+MEMORY = [('+ act. ckpt full', dict(checkpointing='full')), ('+ act. ckpt selective', dict(checkpointing='selective')),
+          ('+ 8-bit AdamW', dict(optimizer='adamw8bit')), ('+ FP8 linears', dict(fp8=True))]
+# what each rung measures: the table's column, the key in the rung's row (bench.json), the format in the table
+COLUMNS = {'ms/iter': ('ms_per_iter', '{:.1f}'), 'tokens/s': ('tokens_per_sec', '{:,.0f}'), 'MFU': ('mfu', '{:.1%}'),
+           'peak mem MB': ('peak_mem_mb', '{:,.0f}'), 'opt. state MB': ('optimizer_state_mb', '{:,.2f}'),
+           'vs baseline': ('speedup_vs_baseline', '{:.2f}x'), 'vs prev': ('speedup_vs_prev', '{:.2f}x'),
+           'loss': ('loss', '{:.5f}')}
+
+
+def why_skip(change, env):
+    cuda = env.device_type == 'cuda'
+    if 'tf32' in change and not cuda:
+        return 'CUDA only: TF32 is a tensor-core format'
+    if 'dtype' in change and env.mixed == 'float32':
+        return f"{env.mixed_reason} (train.pick_dtype); --dtype=bfloat16 measures it anyway"
+    if 'fused_adamw' in change and not cuda:
+        return 'CUDA only: train.configure_optimizer fuses AdamW on CUDA'
+    if 'compile' in change and not env.compile:
+        return 'off (--compile=False)'
+    if 'fp8' in change and not (cuda and torch.cuda.get_device_capability(env.device) >= (8, 9)):
+        return 'needs CUDA compute capability >= 8.9 (H100, H200, L4, RTX 4090)'
+    return None
+
+
+def precision(s):
+    text = {'float32': 'fp32 (TF32 matmuls)' if s['tf32'] else 'fp32', 'bfloat16': 'bf16 autocast',
+            'float16': 'fp16 autocast + GradScaler'}[s['dtype']]
+    return text + (' + FP8 linears' if s['fp8'] else '') + (', 8-bit AdamW' if s['optimizer'] != 'adamw' else '')
+
+
+def run_rung(s, env):
+    """Train from env.state with settings s on env's batches: timings, memory and the final loss."""
+    torch._dynamo.reset()  # drop the last rung's graphs: a fresh compile, never the cache limit's eager fallback
+    gc.collect()
+    if env.device_type == 'cuda':
+        torch.cuda.empty_cache()
+        torch.set_float32_matmul_precision('high' if s['tf32'] else 'highest')
+    autocast = nullcontext() if s['dtype'] == 'float32' else torch.autocast(env.device_type, getattr(torch, s['dtype']))
+    scaler = torch.amp.GradScaler(env.device_type, enabled=(s['dtype'] == 'float16'))
+    with torch.device(env.device):
+        model = GPT(env.config)
+    model.load_state_dict(env.state)
+    if not s['fused_qkv']:
+        for block in model.blocks:
+            block.attn = SeparateQKVAttention(block.attn)
+    model.activation_checkpointing = s['checkpointing']
+    cfg = SimpleNamespace(**{**train.DEFAULTS, **{k: v for k, v in vars(env).items() if k in train.DEFAULTS},
+                             'optimizer': s['optimizer'], 'fp8': s['fp8'], 'compile': s['compile'],
+                             'activation_checkpointing': s['checkpointing'], 'dtype': s['dtype']})
+    try:
+        if s['fp8'] and not train.convert_to_fp8(model, cfg.fp8_recipe, env.device):
+            raise BenchError('no linear layer is large enough to gain from FP8 (train.fp8_layer_filter)')
+        # rungs 1-5 step AdamW with torch's default (multi-tensor) kernels, fused from rung 6 on (CUDA only)
+        optimizer = train.configure_optimizer(model, cfg, env.device_type,
+                                              fused=s['fused_adamw'] and env.device_type == 'cuda')
+    except train.TrainError as e:  # no bitsandbytes, no torchao, ...: the rung is skipped
+        raise BenchError(str(e)) from None
+    net = torch.compile(model) if s['compile'] else model
+    batches = train.Batches(env.tokens, env.batch_size, env.block_size, env.device, env.seed,
+                            env.gradient_accumulation_steps)
+    step = lambda: train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps,  # noqa: E731
+                                    autocast, cfg.grad_clip)
+    times = []
+    with sdpa_kernel([SDPBackend.MATH]) if s['attention'] == 'math' else nullcontext():
+        for _ in range(env.warmup):  # compiles, allocates the optimizer state, warms the caches
+            step()
+        if env.device_type == 'cuda':
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(env.device)
+        for _ in range(env.repeats):
+            t0 = time.perf_counter()
+            for _ in range(env.steps):
+                loss = step()[0]
+            loss = loss.item()  # waits for the device (CUDA, MPS) to finish
+            times.append((time.perf_counter() - t0) / env.steps)
+    ms = 1000 * statistics.median(times)
+    tokens_per_sec = env.batch_size * env.block_size * env.gradient_accumulation_steps / (ms / 1000)
+    return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
+                mfu=model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size),
+                peak_mem_mb=torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device_type == 'cuda' else None,
+                optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20)
+
+
+def ladder(env):
+    rows, s, prev, baseline, top = [], dict(BASE), None, None, None
+    for i, (name, change) in enumerate(LADDER + MEMORY, start=1):
+        top = top or ((s, prev) if i > len(LADDER) else None)  # the memory rungs build on the last rung that ran
+        base, base_row = top or (s, prev)
+        mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed  # what rung 3 is, when it is skipped too
+        change = {k: mixed if v == 'mixed' else v for k, v in change.items()}
+        trial = {**base, **change}
+        row = dict(rung=i, name=name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name,
+                   precision=precision(trial), settings=trial, status='ok', reason=why_skip(change, env),
+                   builds_on=base_row and base_row['name'], **{key: None for key, _ in COLUMNS.values()})
+        try:
+            if row['reason']:
+                row['status'] = 'skipped'
+            else:
+                row.update(run_rung(trial, env))
+        except BenchError as e:
+            row.update(status='skipped', reason=str(e))
+        except Exception as e:  # out of memory, a compile failure: the ladder goes on without this rung
+            row.update(status='failed', reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
+        if row['status'] == 'ok':
+            baseline = baseline or row
+            row['speedup_vs_baseline'] = baseline['ms_per_iter'] / row['ms_per_iter']
+            row['speedup_vs_prev'] = base_row['ms_per_iter'] / row['ms_per_iter'] if base_row else 1.0
+            s, prev = (s, prev) if top else (trial, row)
+        print(f"{i:2d} {row['name']:<22} " + (f"{row['ms_per_iter']:9.1f} ms/iter, loss {row['loss']:.5f}"
+              if row['status'] == 'ok' else f"{row['status']}: {row['reason']}"), flush=True)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# report: markdown and chart (the JSON is the rows themselves)
+
+def markdown(rows, meta):
+    shape = ', '.join(f"{k}={meta['model'][k]}" for k in SHAPE)
+    lines = ["# bench.py: ablation ladder", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
+             f"- device: {meta['device']}; torch {meta['torch']}",
+             f"- model: {shape}; {meta['params'] / 1e6:.2f}M parameters",
+             f"- batch: {meta['batch_size']} x {meta['block_size']} tokens x {meta['gradient_accumulation_steps']} "
+             f"micro-batches = {meta['tokens_per_iter']:,} tokens/iter; data: {meta['data']}",
+             f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
+             f"peak memory: {meta['memory']}; vs prev: over the rung it builds on; loss: after the timed steps", "",
+             '| # | rung | precision | ' + ' | '.join(COLUMNS) + ' | note |',
+             '|---:|---|---|' + '---:|' * len(COLUMNS) + '---|']
+    for r in rows:
+        ok = r['status'] == 'ok'
+        cells = ['-' if not ok else 'n/a' if r[key] is None else spec.format(r[key]) for key, spec in COLUMNS.values()]
+        note = '' if ok else f"{r['status']}: {r['reason']}".replace('|', '/').replace('\n', ' ')
+        lines.append('| ' + ' | '.join([str(r['rung']), r['name'], r['precision'], *cells, note]) + ' |')
+    return '\n'.join(lines) + '\n'
+
+
+def plot(rows, meta, path):
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install matplotlib)"
+    names = [f"{r['rung']}. {r['name']}" + ('' if r['status'] == 'ok' else f" ({r['status']})") for r in rows]
+    memory = 'peak memory (MB)' + ('' if meta['device_type'] == 'cuda' else f": n/a on {meta['device_type']}")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 1.6 + 0.4 * len(rows)), sharey=True)
+    for ax, key, label in zip(axes, ('tokens_per_sec', 'peak_mem_mb'), ('tokens/s', memory)):
+        ax.barh(names, [r[key] or 0 for r in rows])
+        ax.set_xlabel(label)
+        ax.set_xlim(left=0)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{meta['device']}, torch {meta['torch']}, {meta['params'] / 1e6:.2f}M params, "
+                 f"{meta['tokens_per_iter']:,} tokens/iter, {meta['date']}\n{meta['command']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fit mode
+
+def largest_batch(fits, cap):
+    """The largest batch in [0, cap] that fits: doubling from 1, then bisection (fits must be monotone)."""
+    lo, hi = 0, 1
+    while hi <= cap and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, cap + 1)  # the smallest size known not to fit, or past the cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def split_step(n, micro_batch):
+    """batch_size <= micro_batch and gradient_accumulation_steps whose product is n sequences."""
+    if micro_batch < 1:
+        return None, None
+    accum = next(k for k in range(-(-n // micro_batch), n + 1) if n % k == 0)  # the fewest that divide n
+    return n // accum, accum
+
+
+def fit(env):
+    # rung 6: eager, since compile would recompile for every size; compiled code usually needs less memory
+    s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True}
+    env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 1  # step 2 holds the states
+    n = max(1, env.tokens_per_step // env.block_size)  # sequences per optimizer step: no need to go past them
+    print(f"fit: {env.meta['device']}, {env.meta['params'] / 1e6:.1f}M params, block_size {env.block_size}, "
+          f"{precision(s)}, eager; {n * env.block_size:,} tokens per optimizer step")
+    variants = []
+    for name, change in [('as is', {}), ('act. ckpt full', dict(checkpointing='full')),
+                         ('8-bit AdamW', dict(optimizer='adamw8bit')),
+                         ('act. ckpt full + 8-bit AdamW', dict(checkpointing='full', optimizer='adamw8bit'))]:
+        def fits(batch):
+            env.batch_size = batch
+            try:
+                run_rung({**s, **change}, env)
+                return True
+            except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to get its workspace
+                if isinstance(e, torch.cuda.OutOfMemoryError) or 'ALLOC_FAILED' in str(e):
+                    return False  # run_rung empties the cache before the next try
+                raise
+        row = dict(variant=name, settings={**s, **change}, micro_batch=None, batch_size=None,
+                   gradient_accumulation_steps=None, note='')
+        try:
+            best = largest_batch(fits, n)
+            row.update(zip(('micro_batch', 'batch_size', 'gradient_accumulation_steps'), (best, *split_step(n, best))),
+                       note='' if 0 < best < n else 'the whole step fits in one micro-batch' if best else
+                       'does not fit even at batch_size=1')
+        except Exception as e:
+            row['note'] = f"skipped: {e}" if isinstance(e, BenchError) else f"failed: {type(e).__name__}: {e}"
+        variants.append(row)
+        print(f"  {name:<28} largest micro-batch {row['micro_batch']}: " + (
+              f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
+              if row['batch_size'] else '') + row['note'], flush=True)
+    os.makedirs(env.out, exist_ok=True)
+    with open(os.path.join(env.out, 'fit.json'), 'w') as f:
+        keep = ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data')
+        record = dict({k: env.meta[k] for k in keep}, tokens_per_step=n * env.block_size, variants=variants)
+        json.dump(record, f, indent=1)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def device_name(device_type, device):
+    if device_type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    info = open('/proc/cpuinfo').read().splitlines() if os.path.exists('/proc/cpuinfo') else []
+    cpu = next((ln.split(':', 1)[1].strip() for ln in info if ln.startswith('model name')), platform.machine())
+    return f"{device_type}: {cpu}, {torch.get_num_threads()} threads"
+
+
+def setup(argv):
+    """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
+    a = configure(DEFAULTS, argv)
+    choices = {'mode': ('ladder', 'fit'), 'preset': ('auto', *PRESETS), 'dtype': ('auto', 'bfloat16', 'float16')}
+    for key, allowed in choices.items():
+        if a[key] not in allowed:
+            raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
+    a['device'] = train.pick_device(a['device'])
+    device_type = torch.device(a['device']).type
+    if a['mode'] == 'fit' and device_type != 'cuda':
+        raise BenchError(f"--mode=fit needs a CUDA GPU: it raises the micro-batch until GPU memory runs out. This "
+                         f"run is on {device_type}, whose RAM it does not probe; set batch_size by hand there")
+    torch.set_num_threads(a['threads'] or torch.get_num_threads())
+    a['preset'] = a['preset'] if a['preset'] != 'auto' else 'gpt2' if device_type == 'cuda' else 'small'
+    a.update({k: a[k] or v for k, v in PRESETS[a['preset']].items()})
+    for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats'):
+        if a[key] < 1:  # warmup too: torch.compile compiles in the first step
+            raise ConfigError(f"{key}={a[key]} must be at least 1")
+    env = SimpleNamespace(**a, device_type=device_type, config=GPTConfig(**{k: a[k] for k in SHAPE}))
+    env.mixed, env.mixed_reason = train.pick_dtype(a['dtype'], device_type)
+    try:
+        meta = train.read_meta(env.data_dir)
+        env.tokens = train.load_tokens(env.data_dir, 'train', meta, env.block_size, env.vocab_size)
+        data = f"{env.data_dir}/train.bin ({meta['tokenizer']} tokens)"
+    except train.TrainError as e:
+        env.tokens = np.random.default_rng(env.seed).integers(0, env.vocab_size, 1 << 20, dtype=np.int32)
+        data = f"seeded random tokens ({e})"
+    torch.manual_seed(env.seed)
+    model = GPT(env.config)
+    env.state = model.state_dict()  # on the CPU, copied into every rung's model
+    env.meta = dict(command=' '.join(['python bench.py', *map(shlex.quote, argv)]),
+                    date=time.strftime('%Y-%m-%d %H:%M %Z'), device=device_name(device_type, env.device),
+                    device_type=device_type, torch=torch.__version__, preset=env.preset, model=env.config.to_dict(),
+                    params=model.num_params(), batch_size=env.batch_size, block_size=env.block_size,
+                    gradient_accumulation_steps=env.gradient_accumulation_steps,
+                    tokens_per_iter=env.batch_size * env.block_size * env.gradient_accumulation_steps,
+                    warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
+                    memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
+                    else f'n/a on {device_type}')
+    return env
+
+
+def main(argv):
+    env = setup(argv)
+    if env.mode == 'fit':
+        return fit(env)
+    meta = env.meta
+    print(f"bench: {meta['device']}, torch {meta['torch']}, preset {env.preset}, {meta['params'] / 1e6:.2f}M "
+          f"params, {meta['tokens_per_iter']:,} tokens/iter; data: {meta['data']}", flush=True)
+    t0 = time.time()
+    rows = ladder(env)
+    meta['runtime_s'] = round(time.time() - t0, 1)
+    os.makedirs(env.out, exist_ok=True)
+    with open(os.path.join(env.out, 'bench.json'), 'w') as f:
+        json.dump(dict(meta, rungs=rows), f, indent=1)
+    table = markdown(rows, meta)
+    with open(os.path.join(env.out, 'bench.md'), 'w') as f:
+        f.write(table)
+    note = plot(rows, meta, os.path.join(env.out, 'bench.png'))
+    print(f"\nwrote {env.out}/bench.json, bench.md" + (f"; {note}" if note else ", bench.png") + "\n\n" + table)
+    return 0
+
+
+if __name__ == '__main__':
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ConfigError, BenchError, train.TrainError) as e:
+        sys.exit(f"bench.py: error: {e}")

@@ -1,0 +1,182 @@
+"""
+Tests for bench.py on the CPU, in seconds: the ladder's JSON on a tiny model; every rung that changes
+only speed ends at the fp32 baseline's loss, and that check does catch a rung that breaks the math; the
+separate-QKV attention of the first rungs against model.py's fused one; the batch search and the
+settings fit mode prints; fit mode's message on the CPU.
+
+    python -m pytest -q test_bench.py
+"""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bench
+from model import CausalSelfAttention, GPTConfig, rope_cache
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+torch.set_num_threads(1)  # tiny models: one thread is as fast, and immune to a busy machine
+# random tokens (data/ is not in a fresh clone); no compile: ~20 s for each compiled rung
+TINY = ['--preset=tiny', '--compile=False', '--device=cpu', '--data_dir=no-such-dir']
+TOL = 1e-5  # fp32 rungs that change only speed end within ~3e-7 of the baseline's loss on the CPU
+ROW_KEYS = {'rung', 'name', 'precision', 'settings', 'status', 'reason', 'builds_on', 'ms_per_iter',
+            'tokens_per_sec', 'mfu', 'peak_mem_mb', 'optimizer_state_mb', 'loss', 'speedup_vs_baseline',
+            'speedup_vs_prev'}
+META_KEYS = {'command', 'date', 'device', 'torch', 'model', 'params', 'batch_size', 'block_size',
+             'gradient_accumulation_steps', 'tokens_per_iter', 'warmup', 'steps', 'repeats', 'data', 'rungs'}
+
+
+def run_ladder(out, *flags):
+    assert bench.main([*TINY, f'--out={out}', *flags]) == 0
+    with open(os.path.join(out, 'bench.json')) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope='module')
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')
+    return run_ladder(str(out)), out
+
+
+def test_ladder_writes_every_rung_with_the_documented_keys(result):
+    report, out = result
+    assert META_KEYS <= set(report) and report['command'].startswith('python bench.py --preset=tiny')
+    assert [r['rung'] for r in report['rungs']] == list(range(1, len(bench.LADDER) + len(bench.MEMORY) + 1))
+    for r in report['rungs']:
+        assert set(r) == ROW_KEYS, r['name']
+        if r['status'] == 'ok':
+            assert r['ms_per_iter'] > 0 and r['tokens_per_sec'] > 0 and r['loss'] > 0 and r['reason'] is None
+            assert r['mfu'] is None and r['peak_mem_mb'] is None  # n/a on the CPU, never a made-up figure
+        else:
+            assert r['reason'], f"rung {r['name']} is {r['status']} without a reason"
+    status = {r['name']: r['status'] for r in report['rungs']}
+    for name in ('+ TF32', '+ bf16 autocast', '+ fused AdamW', '+ torch.compile', '+ FP8 linears'):
+        assert status[name] == 'skipped', name  # CUDA only, off on the CPU, or --compile=False
+    assert status['fp32 eager'] == status['+ SDPA flash'] == status['+ act. ckpt full'] == 'ok'
+    md = open(out / 'bench.md').read()
+    assert report['command'] in md and report['device'] in md and md.count('\n| ') == len(report['rungs']) + 1
+    pytest.importorskip('matplotlib')
+    assert (out / 'bench.png').stat().st_size > 1000
+
+
+def test_speed_only_rungs_keep_the_baseline_loss(result):
+    rungs = [r for r in result[0]['rungs'] if r['status'] == 'ok']
+    baseline = rungs[0]['loss']
+    fp32 = [r for r in rungs if r['settings']['dtype'] == 'float32' and r['settings']['optimizer'] == 'adamw']
+    assert len(fp32) >= 4  # baseline, SDPA flash, fused QKV, activation checkpointing
+    for r in fp32:
+        assert abs(r['loss'] - baseline) < TOL, (r['name'], r['loss'], baseline)
+    for r in rungs:  # 8-bit optimizer states: close, not equal
+        assert abs(r['loss'] - baseline) < 1e-2, (r['name'], r['loss'], baseline)
+
+
+class KVSwapped(bench.SeparateQKVAttention):
+    def __init__(self, fused):
+        super().__init__(fused)
+        self.k, self.v = self.v, self.k
+
+
+def non_causal(*args, **kwargs):
+    return F.scaled_dot_product_attention(*args, **{**kwargs, 'is_causal': False})
+
+
+@pytest.mark.parametrize('bug', ['k and v swapped', 'non-causal attention', 'no rotary embedding'])
+def test_the_loss_check_catches_a_rung_that_breaks_the_math(bug, tmp_path, monkeypatch):
+    # the same bug in the separate-QKV attention of rungs 1-4: the fused rungs after them must disagree
+    if bug == 'k and v swapped':
+        monkeypatch.setattr(bench, 'SeparateQKVAttention', KVSwapped)
+    elif bug == 'non-causal attention':
+        monkeypatch.setattr(bench, 'F', SimpleNamespace(scaled_dot_product_attention=non_causal, dropout=F.dropout))
+    else:  # the subtlest: on this tiny model it moves the loss by ~3e-5, under a 1e-4 tolerance
+        monkeypatch.setattr(bench, 'apply_rotary', lambda x, cos, sin: x)
+    loss = {r['name']: r['loss'] for r in run_ladder(str(tmp_path))['rungs']}
+    assert abs(loss['fp32 eager'] - loss['+ SDPA flash']) < TOL
+    assert abs(loss['fp32 eager'] - loss['+ fused QKV']) > TOL
+
+
+def test_a_failing_rung_is_reported_and_the_ladder_goes_on(tmp_path, monkeypatch):
+    run_rung = bench.run_rung
+
+    def flaky(s, env):
+        if s['checkpointing'] == 'full':
+            raise RuntimeError('CUDA out of memory (simulated)')
+        return run_rung(s, env)
+    monkeypatch.setattr(bench, 'run_rung', flaky)
+    rows = {r['name']: r for r in run_ladder(str(tmp_path))['rungs']}
+    assert rows['+ act. ckpt full']['status'] == 'failed'
+    assert rows['+ act. ckpt full']['reason'] == 'RuntimeError: CUDA out of memory (simulated)'
+    assert rows['+ act. ckpt selective']['status'] == 'ok'
+    assert rows['+ act. ckpt selective']['builds_on'] == '+ fused QKV'  # the last ladder rung that ran
+
+
+@pytest.mark.parametrize('n_kv_head, qk_norm', [(4, False), (2, True), (1, False)])
+def test_separate_qkv_attention_matches_fused(n_kv_head, qk_norm):
+    config = GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=4, n_kv_head=n_kv_head, n_embd=32,
+                       qk_norm=qk_norm)
+    torch.manual_seed(0)
+    fused = CausalSelfAttention(config)
+    if qk_norm:  # random gains, so a norm that the variant dropped shows
+        for norm in (fused.q_norm, fused.k_norm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    separate = bench.SeparateQKVAttention(fused)
+    assert torch.equal(torch.cat([separate.q.weight, separate.k.weight, separate.v.weight]), fused.qkv.weight)
+    assert separate.q.weight.data_ptr() != fused.qkv.weight.data_ptr()  # copies: the rungs train their own
+    x = torch.randn(2, 16, 32)
+    cos, sin = rope_cache(16, config.head_dim, config.rope_base)
+    y_fused, y_separate = fused(x, cos, sin), separate(x, cos, sin)
+    torch.testing.assert_close(y_separate, y_fused, atol=1e-6, rtol=1e-5)
+    (y_fused ** 2).sum().backward()
+    (y_separate ** 2).sum().backward()
+    grads = torch.cat([separate.q.weight.grad, separate.k.weight.grad, separate.v.weight.grad])
+    torch.testing.assert_close(grads, fused.qkv.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_largest_batch_doubles_then_bisects():
+    tried = []
+
+    def fits(batch):
+        tried.append(batch)
+        return batch <= 37
+    assert bench.largest_batch(fits, 1000) == 37 and len(tried) <= 14
+    assert bench.largest_batch(lambda b: True, 48) == 48
+    assert bench.largest_batch(lambda b: False, 48) == 0
+
+
+@pytest.mark.parametrize('n, micro, expected', [(512, 24, (16, 32)), (512, 512, (512, 1)), (512, 1000, (512, 1)),
+                                                (12, 5, (4, 3)), (7, 3, (1, 7)), (512, 0, (None, None))])
+def test_split_step(n, micro, expected):
+    assert bench.split_step(n, micro) == expected
+
+
+def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, capsys):
+    # no GPU here: a stand-in for run_rung that runs out of memory past a limit that depends on the settings
+    limits = {('none', 'adamw'): 20, ('full', 'adamw'): 50, ('none', 'adamw8bit'): 61}
+
+    def fake_run_rung(s, env):
+        if (s['checkpointing'], s['optimizer']) not in limits:
+            raise bench.BenchError('optimizer=adamw8bit needs bitsandbytes')
+        if env.batch_size > limits[s['checkpointing'], s['optimizer']]:
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory')
+    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2048'])  # 64 sequences of 32 tokens
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    assert bench.fit(env) == 0
+    variants = json.load(open(tmp_path / 'fit.json'))['variants']
+    assert [v['micro_batch'] for v in variants] == [20, 50, 61, None]
+    assert [(v['batch_size'], v['gradient_accumulation_steps']) for v in variants] == [(16, 4), (32, 2), (32, 2),
+                                                                                         (None, None)]
+    assert variants[3]['note'] == 'skipped: optimizer=adamw8bit needs bitsandbytes'
+    assert '--batch_size=32 --gradient_accumulation_steps=2' in capsys.readouterr().out
+
+
+def test_fit_mode_on_the_cpu_says_it_needs_a_gpu():
+    with pytest.raises(bench.BenchError, match='needs a CUDA GPU'):
+        bench.main(['--mode=fit', '--device=cpu'])
+    proc = subprocess.run([sys.executable, 'bench.py', '--mode=fit', '--device=cpu'], cwd=HERE,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and 'Traceback' not in proc.stderr
+    assert proc.stderr.startswith('bench.py: error: --mode=fit needs a CUDA GPU'), proc.stderr
