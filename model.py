@@ -181,7 +181,8 @@ SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default,
              aten._scaled_dot_product_flash_attention.default,
              aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_cudnn_attention.default,
-             aten._scaled_dot_product_flash_attention_for_cpu.default}
+             aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_mm.default}  # FP8 matmuls (fp8=True)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -297,7 +298,7 @@ class GPT(nn.Module):
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=None, generator=None):
     """One token id per row of logits (B, V): greedy at temperature 0, else sampled after top-k / top-p."""
-    if not 0.0 < (top_p or 1.0) <= 1.0:
+    if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     if vocab_limit is not None:
         logits = logits.clone()
@@ -319,7 +320,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
 
 
 # dense bf16/fp16 tensor-core peaks from the vendor datasheets, FLOP/s; float32 matmuls run as TF32 at half
-PEAK_BF16_FLOPS = {'A100': 312e12, 'H100 PCIe': 756e12, 'H100': 989e12, 'H200': 989e12}
+PEAK_BF16_FLOPS = {'A100': 312e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12, 'H200': 989e12}
 
 
 def peak_flops(device, dtype='bfloat16'):
@@ -328,7 +329,7 @@ def peak_flops(device, dtype='bfloat16'):
     if device.type != 'cuda' or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
-    for key, peak in PEAK_BF16_FLOPS.items():  # 'H100 PCIe' is matched before 'H100'
+    for key, peak in PEAK_BF16_FLOPS.items():  # 'H100 PCIe' and 'H100 NVL' are matched before 'H100'
         if key in name:
             return peak / 2 if dtype == 'float32' else peak
     return None

@@ -97,7 +97,9 @@ def find_split(paths, sizes, val_fraction):
     target = int(sum(sizes) * (1 - val_fraction))
     for at, block in blocks_from(paths, sizes, target):
         if (i := block.find(b'\n')) >= 0:
-            return at + i + 1
+            if at + i + 1 < sum(sizes):  # a newline that is the input's last byte would leave val empty
+                return at + i + 1
+            break
     for at, block in blocks_from(paths, sizes, target):
         for i, byte in enumerate(block):
             if byte & 0xC0 != 0x80:  # not a continuation byte 0b10xxxxxx
@@ -179,7 +181,13 @@ def get_tokenizer(meta):
     """(encode, decode) for a dataset's meta dict: str -> list[int] and list[int] -> str."""
     if meta['tokenizer'] != 'char':
         enc = load_bpe(meta['tokenizer'])
-        return enc.encode_ordinary, enc.decode
+
+        def decode_bpe(ids):  # an id with no token (cl100k_base has gaps below n_vocab) decodes to U+FFFD
+            try:
+                return enc.decode(ids)
+            except KeyError:
+                return ''.join(enc.decode(chunk) if chunk else '\ufffd' for chunk in _split_unknown(enc, ids))
+        return enc.encode_ordinary, decode_bpe
     chars = meta['chars']
     stoi = {c: i for i, c in enumerate(chars)}
 
@@ -194,6 +202,20 @@ def get_tokenizer(meta):
             raise ValueError(f"token id {bad[0]} is outside the char vocab 0..{len(chars) - 1}")
         return ''.join(chars[i] for i in ids)
     return encode, decode
+
+
+def _split_unknown(enc, ids):
+    """Runs of decodable ids, with an empty run standing for each id that has no token."""
+    run = []
+    for i in ids:
+        try:
+            enc.decode_single_token_bytes(i)
+            run.append(i)
+        except KeyError:
+            yield from ([run, []] if run else [[]])
+            run = []
+    if run:
+        yield run
 
 
 def char_encoder(chars):

@@ -61,8 +61,7 @@ def main(argv):
     ids = ids[-model.config.block_size:]
     x = torch.tensor([ids] * cfg['num_samples'], dtype=torch.long, device=device)
     generator = torch.Generator(device).manual_seed(cfg['seed'])
-    ptdtype = {'bfloat16': torch.bfloat16, 'float16': torch.float16}.get(dtype)
-    autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype else nullcontext()
+    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
     with autocast:
         y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'],
                            top_k=cfg['top_k'] or None, top_p=cfg['top_p'], vocab_limit=meta['vocab_size'],

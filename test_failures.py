@@ -770,3 +770,53 @@ def test_cli_misspelled_flag_is_one_line_without_traceback():
 def test_config_error_in_process():
     with pytest.raises(ConfigError, match="learning_rate"):
         train.main(['--learning_rat=1'])
+
+
+# ----------------------------------------------------------------------------------------------------
+# review findings
+
+def test_resume_applies_changed_optimizer_settings(data, tmp_path):
+    # Reference: the values given on the resumed run's command line. The optimizer's saved param groups
+    # must not silently keep the checkpoint's weight decay and betas while the run prints the change.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume',
+                           '--weight_decay=0.0', '--beta2=0.5')) == 0
+    groups = torch.load(out / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+    assert {g['weight_decay'] for g in groups} == {0.0}
+    assert {tuple(g['betas']) for g in groups} == {(0.9, 0.5)}
+
+
+def test_fp16_scaler_skips_are_counted_and_leave_the_weights(monkeypatch):
+    # An fp16 step whose loss is finite but whose gradient overflows is skipped by the GradScaler; the
+    # guard must report it as a skipped step (ok False), and the weights must not move.
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=V, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu')
+    x = torch.randint(V, (4, 8))
+    batches = type('B', (), {'next': lambda self: (x, x)})()
+    model.wte.weight.register_hook(lambda g: torch.full_like(g, float('inf')))
+    before = [p.detach().clone() for p in model.parameters()]
+    autocast = torch.autocast('cpu', dtype=torch.float16)
+    loss, _, ok = train.train_step(model, opt, scaler, batches, 1, autocast, 1.0)
+    assert torch.isfinite(loss) and not ok
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fp16_resume_from_a_float32_checkpoint(data, tmp_path):
+    # A float32 run saves an empty GradScaler state; resuming it in fp16 starts a fresh scaler instead of
+    # failing with "The source state dict is empty".
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    argv = [a for a in args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume')
+            if not a.startswith('--dtype=')] + ['--dtype=float16']
+    assert train.main(argv) == 0
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+
+def test_impossible_model_shape_is_a_config_error(data, tmp_path):
+    # n_embd=16 with n_head=5: GPTConfig's check, reported as a config error naming the fields
+    with pytest.raises(ConfigError, match=r"n_embd=16.*n_head=5"):
+        train.main(args(data, tmp_path / 'out', '--n_head=5', '--max_iters=1'))

@@ -274,7 +274,7 @@ def test_bad_values_are_errors_naming_them(tmp_path):
     for fraction in (0.0, 1.0, -0.5, 1.5):
         with pytest.raises(ValueError, match=f'val_fraction={fraction}'):
             prepare(path, 'char', str(tmp_path / 'out'), fraction)
-    for text in ('hello\n', ''):  # the split would leave val empty
+    for text in ('x', ''):  # the split would leave a split empty
         with pytest.raises(ValueError, match='input too small'):
             prepare(write(tmp_path / 'small.txt', text), 'char', str(tmp_path / 'out'), 0.1)
     with pytest.raises(SystemExit, match="prepare_data.py: error: unknown tokenizer 'bpe'"):
@@ -312,3 +312,20 @@ def test_default_corpus_via_command_line(tmp_path):
     assert os.path.getsize(out / 'train.bin') == 2 * meta['train_tokens']
     chars = np.array(list(meta['chars']))
     assert ''.join(chars[train]) + ''.join(chars[val]) == text
+
+
+def test_newline_as_last_byte_falls_back_to_a_character_boundary(tmp_path):
+    # One long line whose only newline is the input's last byte: the documented rule (no newline after
+    # the target but that one) cuts at the target itself, on a character boundary. Reference: the bytes.
+    text = 'x' * 1000 + '\n'
+    meta = prepare(write(tmp_path / 'a.txt', text), 'char', str(tmp_path / 'out'), 0.1)
+    assert (meta['train_tokens'], meta['val_tokens']) == (900, 101)
+
+
+def test_bpe_decode_of_an_id_without_a_token():
+    # cl100k_base has ids below n_vocab that no token owns (100261, for one): a sampled one decodes to
+    # U+FFFD instead of crashing sample.py. Reference: tiktoken's decode of the ids around it.
+    encode, decode = get_tokenizer({'tokenizer': 'cl100k_base'})
+    ids = encode('hello world')
+    assert decode(ids + [100261] + ids) == 'hello world\ufffdhello world'
+    assert decode(ids) == 'hello world'

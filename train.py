@@ -17,10 +17,15 @@ keys and wrong types are errors). Features, each findable by name:
   random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched.
 - train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
   non-finite losses and gradients away from the weights.
-- configure_optimizer: AdamW, weight decay on matrices only, fused on CUDA; get_lr: warmup + cosine.
-- activation checkpointing, torch.compile (loud fallback to eager if it fails), periodic eval.
+- configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
+  (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices; torchao's CPU-offload AdamW.
+  get_lr: warmup + cosine. Label smoothing.
+- FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
+- activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails),
+  periodic eval.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state.
+  loaded with weights_only=True; exact resume including data and RNG state; a scratch run moves an
+  earlier run's files aside instead of overwriting them.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
@@ -33,6 +38,7 @@ import os
 import random
 import re
 import resource
+import shlex
 import shutil
 import signal
 import sys
@@ -326,7 +332,7 @@ def optimizer_state_bytes(optimizer):
     """Bytes of optimizer state (moments, quantization maps, ...), each tensor counted once."""
     seen = {}
     for opt in getattr(optimizer, 'optimizers', [optimizer]):
-        for state in opt.state.values():
+        for state in getattr(opt, 'state', {}).values():  # torchao's offload optimizer keeps its own
             for t in state.values():
                 if torch.is_tensor(t):
                     t = t.to_local() if hasattr(t, 'to_local') else t
@@ -340,7 +346,8 @@ def optimizer_state_bytes(optimizer):
 def fp8_layer_filter(recipe):
     """The linear layers worth training in FP8: dims multiples of 16 (a hardware requirement), large
     enough that the FP8 matmul outruns its casts (thresholds from torchao's H100 tables for each
-    recipe), and never the output head, which shares its weight with the embedding."""
+    recipe), and never the output head (kept in bf16 for the loss' precision, and tied to the embedding
+    by default)."""
     def keep(module, fqn):
         if not isinstance(module, torch.nn.Linear) or fqn == 'lm_head':
             return False
@@ -396,12 +403,14 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, 'full_tensor') else norm  # FSDP: a DTensor
     if scaler.is_enabled():  # fp16: an overflowing gradient is the scaler's to skip, a NaN loss is ours
-        ok = bool(torch.isfinite(loss_sum))
+        ok, scale = bool(torch.isfinite(loss_sum)), scaler.get_scale()
     else:
         ok = bool(torch.isfinite(loss_sum) & torch.isfinite(norm))
     if ok:
         scaler.step(optimizer)
     scaler.update()
+    if scaler.is_enabled():
+        ok = ok and scaler.get_scale() >= scale  # the scaler lowers its scale when it skips a step
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, norm, ok
 
@@ -522,7 +531,7 @@ def stop_on_signals():
 
     def request_stop(signum, frame):
         stop['signal'] = signum
-        print(f"\n{signal.Signals(signum).name} received: stopping after this step", flush=True)
+        os.write(2, f"\n{signal.Signals(signum).name} received: stopping after this step\n".encode())
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop
@@ -555,9 +564,9 @@ def main(argv):
         raise ConfigError(f"eval_iters={cfg.eval_iters} is the global number of eval batches, shared among the "
                           f"processes: give at least one to each of the {world}")
     device = pick_device(cfg.device)
-    if world > 1 and device == 'cuda':
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
-    if torch.device(device).type == 'cuda':
+    if world > 1 and torch.device(device).type == 'cuda':
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per process, whatever index was asked for
+    if torch.device(device).index is not None:
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
@@ -581,7 +590,7 @@ def run(cfg, argv, device, rank, world):
     dtype, dtype_reason = pick_dtype(cfg.dtype, device_type)
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # TF32 for float32 matmuls
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    ptdtype = getattr(torch, dtype)
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 
@@ -602,7 +611,10 @@ def run(cfg, argv, device, rank, world):
     # ---- model and optimizer
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
     model_args['vocab_size'] = vocab
-    model_config = GPTConfig(**model_args)
+    try:
+        model_config = GPTConfig(**model_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
     model = GPT(model_config).to(device)  # the original module: checkpoints are saved from it
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -615,9 +627,11 @@ def run(cfg, argv, device, rank, world):
     if world > 1 and cfg.parallelism == 'fsdp' and cfg.optimizer != 'adamw':
         raise ConfigError(f"optimizer={cfg.optimizer!r} does not work on FSDP's sharded parameters: "
                           f"use parallelism='ddp' or optimizer='adamw'")
-    if cfg.optimizer_offload and (world > 1 or cfg.optimizer != 'adamw' or device_type != 'cuda' or dtype == 'float16'):
+    if cfg.optimizer_offload and (world > 1 or cfg.optimizer != 'adamw' or device_type != 'cuda' or dtype == 'float16'
+                                  or cfg.grad_clip > 0):
         raise ConfigError("optimizer_offload=True works with optimizer='adamw' in one process on one CUDA GPU, "
-                          "in bfloat16 or float32")
+                          "in bfloat16 or float32, with grad_clip=0 (the gradients are copied to the CPU during "
+                          "the backward pass, before they could be clipped)")
 
     # ---- parallelism: DDP replicates the model, FSDP2 shards parameters, gradients and optimizer state
     wrapped, grad_sync, parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
@@ -638,31 +652,12 @@ def run(cfg, argv, device, rank, world):
         # the gradients are reduce-scattered after the last micro-step only
         grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
         parallel_note = f'FSDP2, {world} processes'
-    optimizer = configure_optimizer(model, cfg, device_type)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
-    opts = list(getattr(optimizer, 'optimizers', [optimizer]))
-
-    def optimizer_state():  # keyed by parameter name, so it loads under any number of processes
-        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
-            return optimizer.state_dict()
-        # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
-        # taking a zero-gradient step, which counts as a step in AdamW's bias correction
-        if not agree(any(opt.state for opt in opts), device):
-            return None
-        return get_optimizer_state_dict(model, opts, options=full)
-
-    def load_optimizer_state(state):
-        if state is None:
-            return
-        if cfg.optimizer_offload:
-            return optimizer.load_state_dict(state)
-        set_optimizer_state_dict(model, opts, state, options=full)
-
     # ---- resume
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
     os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path, best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    iter_num, best_val_loss, rng, last_eval = 0, math.inf, None, None
+    iter_num, best_val_loss, rng, last_eval, ckpt = 0, math.inf, None, None, None
     if cfg.init_from == 'resume':
         ckpt = load_checkpoint(ckpt_path, 'cpu')
         missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
@@ -676,13 +671,12 @@ def run(cfg, argv, device, rank, world):
         if changed:
             say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
         set_model_state_dict(model, ckpt['model'], options=full)
-        load_optimizer_state(ckpt['optimizer'])
-        scaler.load_state_dict(ckpt['scaler'])
+        if ckpt['scaler'] and scaler.is_enabled():  # a bf16/fp32 run's scaler state is empty: start afresh
+            scaler.load_state_dict(ckpt['scaler'])
         batches.load_state_dict(ckpt['batches'])
         iter_num, best_val_loss, rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
         last_eval = iter_num if ckpt['evaluated'] else None
         say(f"resuming from {ckpt_path} at iteration {iter_num} (best val loss {best_val_loss:.4f})")
-        del ckpt
         if master and os.path.exists(metrics_path):  # drop lines logged after the checkpoint: they are replayed
             with open(metrics_path) as f:
                 lines = [ln for ln in f if json.loads(ln)['iter'] <= iter_num]
@@ -694,6 +688,29 @@ def run(cfg, argv, device, rank, world):
             if os.path.exists(p):
                 shutil.move(p, keep)
         say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
+
+    # ---- optimizer, built after the weights are loaded (the CPU-offload optimizer copies them)
+    optimizer = configure_optimizer(model, cfg, device_type)
+    opts = list(getattr(optimizer, 'optimizers', [optimizer]))
+
+    def optimizer_state():  # keyed by parameter name, so it loads under any number of processes
+        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+            return optimizer.state_dict()
+        # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
+        # taking a zero-gradient step, which counts as a step in AdamW's bias correction
+        if not agree(any(opt.state for opt in opts), device):
+            return None
+        return get_optimizer_state_dict(model, opts, options=full)
+
+    if ckpt is not None and ckpt['optimizer'] is not None:
+        settings = [{k: v for k, v in group.items() if k != 'params'} for group in optimizer.param_groups]
+        if cfg.optimizer_offload:
+            optimizer.load_state_dict(ckpt['optimizer'])
+        else:
+            set_optimizer_state_dict(model, opts, ckpt['optimizer'], options=full)
+        for group, setting in zip(optimizer.param_groups, settings):  # this run's betas, weight decay, ...
+            group.update(setting)
+    ckpt = None  # free its memory
 
     # ---- compile
     compiled, compile_note = wrapped, 'off'
@@ -730,10 +747,9 @@ def run(cfg, argv, device, rank, world):
     say(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
     say(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
     say(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
-    fused = cfg.optimizer in ('adamw', 'muon') and device_type == 'cuda' and not cfg.optimizer_offload
-    say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else ', AdamW unfused (fused is CUDA only)'
-                                                   if cfg.optimizer in ('adamw', 'muon') else '')
-        + (', state offloaded to CPU' if cfg.optimizer_offload else ''))
+    fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in opts)
+    say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
+        + (', state and step on the CPU (torchao)' if cfg.optimizer_offload else ''))
     say(f"  fp8               {fp8_note}")
     say(f"  parallelism       {parallel_note}")
     say(f"  compile           {compile_note}")
@@ -761,8 +777,9 @@ def run(cfg, argv, device, rank, world):
             with open(metrics_path, 'a') as f:
                 f.write(json.dumps(record) + '\n')
 
-    resume_cmd = ' '.join(['python', sys.argv[0] if sys.argv[0].endswith('.py') else 'train.py']
-                          + [a for a in argv if not a.startswith('--init_from=')] + ['--init_from=resume'])
+    launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
+    resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in argv if not a.startswith('--init_from=')]
+                            + ['--init_from=resume'])
 
     # ---- training loop
     with stop_on_signals() as stop:
@@ -817,7 +834,7 @@ def run(cfg, argv, device, rank, world):
                     + (f", {skipped} steps skipped" if skipped else ''))
                 log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
                      'peak_mem_mb': mem})
-                if not state_reported:  # the state exists once a step has run
+                if not state_reported and not cfg.optimizer_offload:  # the state exists once a step has run
                     say(f"optimizer state: {optimizer_state_bytes(optimizer) / model.num_params():.2f} bytes per "
                         f"parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
                     state_reported = True
