@@ -69,7 +69,7 @@ DEFAULTS = dict(
 )
 PRESETS = {  # shape, batch and timing
     'tiny': dict(n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=32, batch_size=4, warmup=1, steps=2),
-    'small': dict(n_layer=4, n_head=4, n_embd=128, vocab_size=128, block_size=128, batch_size=8, warmup=2, steps=5),
+    'small': dict(n_layer=4, n_head=4, n_embd=128, vocab_size=128, block_size=128, batch_size=32, warmup=2, steps=10),
     'gpt2': dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=16, warmup=3,
                  steps=10)}
 SHAPE = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size', 'block_size')
