@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import write_dataset
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(1)  # the tiny models here; see test_train.py
 ENV = dict(os.environ, OMP_NUM_THREADS='1')
@@ -46,17 +48,8 @@ LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
 
 def write_data(d, vocab=V, n_train=4000, n_val=800, seed=0):
     """train.bin / val.bin of uniform random ids in [0, vocab) and a char-level meta.json."""
-    os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(seed)
-    tr = rng.integers(0, vocab, n_train).astype(np.uint16)
-    va = rng.integers(0, vocab, n_val).astype(np.uint16)
-    tr.tofile(os.path.join(d, 'train.bin'))
-    va.tofile(os.path.join(d, 'val.bin'))
-    meta = dict(tokenizer='char', vocab_size=vocab, dtype='uint16', train_tokens=len(tr), val_tokens=len(va),
-                chars=''.join(chr(0x100 + i) for i in range(vocab)))
-    with open(os.path.join(d, 'meta.json'), 'w') as f:
-        json.dump(meta, f)
-    return str(d)
+    return write_dataset(d, rng.integers(0, vocab, n_train), rng.integers(0, vocab, n_val), vocab)
 
 
 def descendants(pid):

@@ -25,6 +25,7 @@ import torch
 import model as model_module
 import train
 from configurator import ConfigError
+from conftest import assert_same, deterministic, load, read_metrics, write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V = 40
@@ -37,19 +38,11 @@ TINY = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_emb
 # helpers
 
 def write_data(d, vocab=V, n_train=2000, n_val=400, train_tokens=None, val_tokens=None, seed=0, **meta_over):
-    """train.bin / val.bin of uniform random ids in [0, vocab) and a char-level meta.json."""
-    os.makedirs(d, exist_ok=True)
+    """train.bin / val.bin of uniform random ids in [0, vocab) (or the ids given) and a char-level meta.json."""
     rng = np.random.default_rng(seed)
-    tr = rng.integers(0, vocab, n_train).astype(np.uint16) if train_tokens is None else np.asarray(train_tokens, np.uint16)
-    va = rng.integers(0, vocab, n_val).astype(np.uint16) if val_tokens is None else np.asarray(val_tokens, np.uint16)
-    tr.tofile(os.path.join(d, 'train.bin'))
-    va.tofile(os.path.join(d, 'val.bin'))
-    meta = dict(tokenizer='char', vocab_size=vocab, dtype='uint16', train_tokens=len(tr), val_tokens=len(va),
-                chars=''.join(chr(0x100 + i) for i in range(vocab)))
-    meta.update(meta_over)
-    with open(os.path.join(d, 'meta.json'), 'w') as f:
-        json.dump(meta, f)
-    return str(d)
+    tr = rng.integers(0, vocab, n_train) if train_tokens is None else train_tokens
+    va = rng.integers(0, vocab, n_val) if val_tokens is None else val_tokens
+    return write_dataset(d, tr, va, vocab, **meta_over)
 
 
 @pytest.fixture
@@ -61,41 +54,9 @@ def args(data_dir, out_dir, *extra):
     return TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
 
 
-def read_metrics(out_dir):
-    path = os.path.join(out_dir, 'metrics.jsonl')
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def deterministic(lines):
-    """The fields of metrics.jsonl that an exact resume must repeat (not the timings)."""
-    keys = ('iter', 'loss', 'lr', 'train_loss', 'val_loss')
-    return [{k: r[k] for k in keys if k in r} for r in lines]
-
-
-def load(path):
-    return torch.load(path, map_location='cpu', weights_only=True)
-
-
 def read_bytes(path):
     with open(path, 'rb') as f:
         return f.read()
-
-
-def assert_same(a, b, where='state'):
-    """Nested dicts / lists / tensors equal exactly (torch.equal for tensors, == for the rest)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f'{where}[{k!r}]')
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f'{where}[{i}]')
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def all_finite(state_dict):

@@ -12,7 +12,6 @@ operators that autograd runs in backward, and so on. CPU, float32, tiny models; 
 import collections
 import contextlib
 import io
-import json
 import math
 import os
 import re
@@ -29,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
 from configurator import ConfigError
+from conftest import assert_same, deterministic, load, read_metrics, write_dataset
 from model import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,17 +51,8 @@ RESUME_FLAGS = ['--dropout=0.1', '--gradient_accumulation_steps=2', '--eval_inte
 
 def write_data(d, vocab=V, period=23, n_train=2300, n_val=460, seed=0):
     """train.bin / val.bin: a random sequence of `period` ids repeated (learnable), char-level meta.json."""
-    os.makedirs(d, exist_ok=True)
     pattern = np.random.default_rng(seed).integers(0, vocab, period)
-    tr = np.resize(pattern, n_train).astype(np.uint16)
-    va = np.resize(pattern, n_val).astype(np.uint16)
-    tr.tofile(os.path.join(d, 'train.bin'))
-    va.tofile(os.path.join(d, 'val.bin'))
-    meta = dict(tokenizer='char', vocab_size=vocab, dtype='uint16', train_tokens=len(tr), val_tokens=len(va),
-                chars=''.join(chr(0x100 + i) for i in range(vocab)))
-    with open(os.path.join(d, 'meta.json'), 'w') as f:
-        json.dump(meta, f)
-    return str(d)
+    return write_dataset(d, np.resize(pattern, n_train), np.resize(pattern, n_val), vocab)
 
 
 @pytest.fixture
@@ -79,36 +70,6 @@ def main_capture(argv):
     with contextlib.redirect_stdout(buf):
         code = train.main(argv)
     return code, buf.getvalue()
-
-
-def read_metrics(out_dir):
-    with open(os.path.join(out_dir, 'metrics.jsonl')) as f:
-        return [json.loads(line) for line in f]
-
-
-def deterministic(lines):
-    keys = ('iter', 'loss', 'lr', 'train_loss', 'val_loss')
-    return [{k: r[k] for k in keys if k in r} for r in lines]
-
-
-def load(path):
-    return torch.load(path, map_location='cpu', weights_only=True)
-
-
-def assert_same(a, b, where='state'):
-    """Nested dicts / lists / tensors equal exactly (torch.equal for tensors, == for the rest)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f'{where}[{k!r}]')
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f'{where}[{i}]')
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def assert_no_run_files(out_dir):

@@ -746,7 +746,7 @@ def run(cfg, argv, device, rank, world):
     say(f"  device            {device}")
     say(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
     say(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
-    say(f"  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
+    say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
     fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in opts)
     say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
         + (', state and step on the CPU (torchao)' if cfg.optimizer_offload else ''))
