@@ -85,10 +85,11 @@ class Launch:
     """train.py in 1 or 2 processes, stdout and stderr together in out_dir.log (a file, not a pipe: a
     pipe nobody reads would block a long run)."""
 
-    def __init__(self, nproc, out_dir, data_dir, *extra):
+    def __init__(self, nproc, out_dir, data_dir, *extra, torchrun=None):
         self.out_dir, self.nproc = str(out_dir), nproc
         self.log_path = self.out_dir + '.log'
-        cmd = (TORCHRUN if nproc == 2 else [sys.executable, 'train.py']) + \
+        launcher = TORCHRUN[:-2] + [f'--nproc_per_node={nproc}', 'train.py']
+        cmd = (launcher if (nproc > 1 if torchrun is None else torchrun) else [sys.executable, 'train.py']) + \
             FLAGS + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
         self.cmd = ' '.join(cmd)
         self._log = open(self.log_path, 'w')
@@ -123,8 +124,8 @@ class Launch:
         return torch.load(os.path.join(self.out_dir, name), map_location='cpu', weights_only=True)
 
 
-def run(nproc, out_dir, data_dir, *extra, timeout=RUN_TIMEOUT):
-    return Launch(nproc, out_dir, data_dir, *extra).wait(timeout)
+def run(nproc, out_dir, data_dir, *extra, timeout=RUN_TIMEOUT, torchrun=None):
+    return Launch(nproc, out_dir, data_dir, *extra, torchrun=torchrun).wait(timeout)
 
 
 def kind(record):
@@ -486,3 +487,11 @@ def test_sigterm_stops_both_processes_at_one_step_and_resumes(root, data):
     reference = run(1, root / 'sigterm_ref', data, *long_run, f'--max_iters={end}').check()
     assert_metrics_close(resumed.metrics(), reference.metrics(), where='sigterm resume')
     assert_same_state(resumed.ckpt(), reference.ckpt(), 'sigterm resume')
+
+
+def test_one_process_under_torchrun_is_the_plain_run(root, data, single6):
+    # torchrun with one process takes the plain run's path (no process group, no DDP wrapper), so its
+    # metrics equal the plain run's exactly, and it says that parallelism is off.
+    r = run(1, root / 'torchrun1', data, '--max_iters=6', torchrun=True).check()
+    assert 'parallelism       off (one process)' in r.output
+    assert_metrics_close(r.metrics(), single6.metrics(), rel=0, where='torchrun, 1 process')
