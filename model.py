@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 
 @dataclass
@@ -230,9 +230,8 @@ class GPT(nn.Module):
         for layer, block in enumerate(self.blocks):
             if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
                 context = (partial(create_selective_checkpoint_contexts, _selective_policy)
-                           if self.activation_checkpointing == 'selective' else None)
-                x = checkpoint(block, x, cos, sin, use_reentrant=False,
-                               **({'context_fn': context} if context else {}))
+                           if self.activation_checkpointing == 'selective' else noop_context_fn)
+                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=context)
             else:
                 x = block(x, cos, sin, cache, layer)
         if cache is not None:

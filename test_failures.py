@@ -646,7 +646,7 @@ def scripted_eval(monkeypatch, val_losses):
     snapshots = []
     losses = iter(val_losses)
 
-    def estimate_loss(model, splits, eval_iters, autocast):
+    def estimate_loss(model, splits, autocast):
         snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         v = next(losses)
         return {'train': v + 0.5, 'val': v}

@@ -402,22 +402,20 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, 'full_tensor') else norm  # FSDP: a DTensor
-    if scaler.is_enabled():  # fp16: an overflowing gradient is the scaler's to skip, a NaN loss is ours
-        ok, scale = bool(torch.isfinite(loss_sum)), scaler.get_scale()
-    else:
-        ok = bool(torch.isfinite(loss_sum) & torch.isfinite(norm))
+    # fp16: an overflowing gradient is the GradScaler's to skip, a NaN loss is ours
+    finite = torch.isfinite(loss_sum) if scaler.is_enabled() else torch.isfinite(loss_sum) & torch.isfinite(norm)
+    ok, scale = bool(finite), scaler.get_scale()  # the scale is 1.0 when the scaler is off
     if ok:
         scaler.step(optimizer)
     scaler.update()
-    if scaler.is_enabled():
-        ok = ok and scaler.get_scale() >= scale  # the scaler lowers its scale when it skips a step
+    ok = ok and scaler.get_scale() >= scale  # the scaler lowers its scale when it skips a step
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, norm, ok
 
 
 @torch.no_grad()
-def estimate_loss(model, splits, eval_iters, autocast):
-    """Mean loss over eval_iters batches of each split (shared among processes); the same every time."""
+def estimate_loss(model, splits, autocast):
+    """Mean loss over each split's batches (a draw of `groups`, shared among processes); the same every time."""
     model.eval()
     out = {}
     for name, batches in splits.items():
@@ -432,7 +430,7 @@ def estimate_loss(model, splits, eval_iters, autocast):
             total += loss.float() * (i < batches.share)
         if dist.is_initialized():
             dist.all_reduce(total)
-        out[name] = (total / eval_iters).item()
+        out[name] = (total / batches.groups).item()
     model.train()
     return out
 
@@ -756,9 +754,9 @@ def run(cfg, argv, device, rank, world):
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
     say(f"  pinned memory     {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
 
-    def save(path):  # every process takes part (FSDP gathers the shards); process 0 writes
+    def save(*paths):  # every process takes part (FSDP gathers the shards); process 0 writes each path
         if not agree(weights_finite(model), device):
-            raise TrainError(f"iteration {iter_num}: the weights hold NaN/inf; not saving {path}")
+            raise TrainError(f"iteration {iter_num}: the weights hold NaN/inf; not saving {', '.join(paths)}")
         rngs = [rng_state()]
         if world > 1:
             rngs = [None] * world
@@ -769,7 +767,7 @@ def run(cfg, argv, device, rank, world):
                  'config': vars(cfg), 'model_args': model_config.to_dict(), 'meta': meta,
                  'batches': batches.state_dict(), 'rng': rngs, 'argv': list(argv),
                  'evaluated': last_eval == iter_num}
-        if master:
+        for path in paths if master else ():
             save_checkpoint(path, state)
 
     def log(record):
@@ -792,14 +790,13 @@ def run(cfg, argv, device, rank, world):
         t0, t0_iter = time.time(), iter_num
         while True:
             if iter_num % cfg.eval_interval == 0 and last_eval != iter_num:
-                losses = estimate_loss(compiled, eval_splits, cfg.eval_iters, autocast)
+                losses = estimate_loss(compiled, eval_splits, autocast)
                 say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 log({'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
                 last_eval = iter_num
-                if losses['val'] < best_val_loss:
-                    best_val_loss = losses['val']
-                    save(best_path)
-                save(ckpt_path)
+                improved = losses['val'] < best_val_loss
+                best_val_loss = min(best_val_loss, losses['val'])
+                save(*([best_path] if improved else []), ckpt_path)
                 saved_iter = iter_num
                 t0, t0_iter = time.time(), iter_num  # keep evaluation out of the throughput figures
             if iter_num >= cfg.max_iters:
@@ -841,9 +838,10 @@ def run(cfg, argv, device, rank, world):
                 t0, t0_iter = time.time(), iter_num
             if agree(bool(stop), device, every=False):  # a signal to any process stops them all, at one step
                 save(ckpt_path)
-                name = signal.Signals(stop.get('signal', signal.SIGTERM)).name
-                say(f"{name}: saved {ckpt_path} at iteration {iter_num}. Resume with:\n  {resume_cmd}")
-                return 128 + stop.get('signal', signal.SIGTERM)
+                signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
+                say(f"{signal.Signals(signum).name}: saved {ckpt_path} at iteration {iter_num}. Resume with:\n"
+                    f"  {resume_cmd}")
+                return 128 + signum
         if saved_iter != iter_num:
             save(ckpt_path)
         say(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
