@@ -433,6 +433,18 @@ class System:
         return (os.system, (f'touch {self.marker}',))
 
 
+def assert_resume_refused(data, out, path):
+    """Loading path, and resuming from it, are errors naming it; the file and metrics.jsonl stay as they were."""
+    before = read_bytes(path), read_bytes(out / 'metrics.jsonl')
+    with pytest.raises(train.TrainError) as e:
+        train.load_checkpoint(str(path))
+    assert str(path) in str(e.value)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    assert str(path) in str(e.value)
+    assert (read_bytes(path), read_bytes(out / 'metrics.jsonl')) == before
+
+
 @pytest.mark.parametrize('how', ['torch.save-open', 'torch.save-os.system', 'pickle-open'])
 def test_malicious_checkpoint_is_refused(data, tmp_path, how):
     # Reference: the marker file the payload would create. A real run writes ckpt.pt first, so that the
@@ -449,16 +461,8 @@ def test_malicious_checkpoint_is_refused(data, tmp_path, how):
     else:
         with open(path, 'wb') as f:
             pickle.dump({'iter_num': 2, 'x': payload}, f)
-    hostile = read_bytes(path)
-    metrics_before = read_bytes(out / 'metrics.jsonl')
-    with pytest.raises(train.TrainError) as e:
-        train.load_checkpoint(str(path))
-    assert str(path) in str(e.value)
-    with pytest.raises(train.TrainError) as e:
-        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
-    assert str(path) in str(e.value)
+    assert_resume_refused(data, out, path)
     assert not marker.exists()
-    assert read_bytes(path) == hostile and read_bytes(out / 'metrics.jsonl') == metrics_before
 
 
 @pytest.mark.parametrize('how', ['truncated', 'garbage', 'empty'])
@@ -471,14 +475,7 @@ def test_broken_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, how):
     broken = {'truncated': real[:len(real) // 2], 'garbage': np.random.default_rng(0).bytes(5000),
               'empty': b''}[how]
     path.write_bytes(broken)
-    metrics_before = read_bytes(out / 'metrics.jsonl')
-    with pytest.raises(train.TrainError) as e:
-        train.load_checkpoint(str(path))
-    assert str(path) in str(e.value)
-    with pytest.raises(train.TrainError) as e:
-        train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
-    assert str(path) in str(e.value)
-    assert read_bytes(out / 'metrics.jsonl') == metrics_before
+    assert_resume_refused(data, out, path)
     assert read_bytes(path) == broken
     assert not glob.glob(str(out / 'previous-*'))
 
