@@ -1,7 +1,8 @@
 """
 Train a GPT on the token files that prepare_data.py writes. Read top to bottom: the defaults, the pieces
-of a training run (data, schedule, optimizer, step, eval, checkpoints), then main(), which sets up once
-and runs a loop free of option branches.
+of a training run (data, schedule, optimizer, step, eval, checkpoints), then main(): setup() builds and
+checks everything once, report() prints what the run is, and train_loop() runs a loop free of option
+branches.
 
     python prepare_data.py && python train.py config/train_small.py       # CPU, a few minutes on 2 cores
     python train.py config/train_shakespeare_char.py --compile=True       # one GPU
@@ -113,6 +114,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
 CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
                    'batches', 'rng', 'evaluated')
 
@@ -569,7 +571,9 @@ def main(argv):
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
     try:
-        code = run(cfg, argv, device, rank, world)
+        r = setup(cfg, argv, device, rank, world)
+        report(r)
+        code = train_loop(r)
         if world > 1:
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
@@ -578,67 +582,71 @@ def main(argv):
             dist.destroy_process_group()
 
 
-def run(cfg, argv, device, rank, world):
-    master = rank == 0  # the one process that prints, logs and writes files
-    say = print if master else (lambda *args, **kwargs: None)
-    accum_steps = cfg.gradient_accumulation_steps // world  # this process's share of the micro-batches
+# ----------------------------------------------------------------------------------------------------
+# a run: setup() builds and checks its pieces once, report() says what they are, train_loop() runs it
+
+def setup(cfg, argv, device, rank, world):
+    """The run's pieces, as a namespace: data, model, wrappers, optimizer, resumed state. Everything is
+    checked here, before the first step."""
+    r = SimpleNamespace(cfg=cfg, argv=argv, device=device, rank=rank, world=world, master=rank == 0)
+    r.say = print if r.master else (lambda *args, **kwargs: None)  # process 0 prints, logs and writes files
+    r.accum_steps = cfg.gradient_accumulation_steps // world  # this process's share of the micro-batches
 
     # ---- precision
-    device_type = torch.device(device).type
-    dtype, dtype_reason = pick_dtype(cfg.dtype, device_type)
+    r.device_type = device_type = torch.device(device).type
+    r.dtype, r.dtype_reason = pick_dtype(cfg.dtype, device_type)
     if device_type == 'cuda':
         torch.set_float32_matmul_precision('high')  # TF32 for float32 matmuls
-    ptdtype = getattr(torch, dtype)
-    autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
-    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+    ptdtype = getattr(torch, r.dtype)
+    r.autocast = nullcontext() if r.dtype == 'float32' else torch.autocast(device_type, dtype=ptdtype)
+    r.scaler = torch.amp.GradScaler(device_type, enabled=(r.dtype == 'float16'))
 
     # ---- data, checked before anything is built
-    meta = read_meta(cfg.data_dir)
-    vocab = cfg.vocab_size or 64 * math.ceil(meta['vocab_size'] / 64)
-    if vocab < meta['vocab_size']:
-        raise TrainError(f"vocab_size={vocab} is smaller than the dataset's vocabulary ({meta['vocab_size']}, "
+    r.meta = meta = read_meta(cfg.data_dir)
+    r.vocab = cfg.vocab_size or 64 * math.ceil(meta['vocab_size'] / 64)
+    if r.vocab < meta['vocab_size']:
+        raise TrainError(f"vocab_size={r.vocab} is smaller than the dataset's vocabulary ({meta['vocab_size']}, "
                          f"{cfg.data_dir}/meta.json)")
-    train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, vocab)
-    val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, vocab)
-    batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
-                      cfg.gradient_accumulation_steps, rank, world)
-    eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters,
-                                  rank, world)
-                   for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
+    train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
+    val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
+    r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
+                        cfg.gradient_accumulation_steps, rank, world)
+    r.eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters,
+                                    rank, world)
+                     for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
 
-    # ---- model and optimizer
+    # ---- model
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
-    model_args['vocab_size'] = vocab
+    model_args['vocab_size'] = r.vocab
     try:
-        model_config = GPTConfig(**model_args)
+        r.model_config = GPTConfig(**model_args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
-    model = GPT(model_config).to(device)  # the original module: checkpoints are saved from it
+    r.model = model = GPT(r.model_config).to(device)  # the original module: checkpoints are saved from it
     model.activation_checkpointing = cfg.activation_checkpointing
     torch.manual_seed(cfg.seed + rank)  # different dropout masks in each process
-
-    fp8_note = 'off'
+    r.fp8_note = 'off'
     if cfg.fp8:  # before sharding and compile, like every conversion of the model
         names = convert_to_fp8(model, cfg.fp8_recipe, device)
-        fp8_note = f"{cfg.fp8_recipe}: {len(names)} linear layers ({', '.join(names) or 'none large enough'})"
+        r.fp8_note = f"{cfg.fp8_recipe}: {len(names)} linear layers ({', '.join(names) or 'none large enough'})"
     if world > 1 and cfg.parallelism == 'fsdp' and cfg.optimizer != 'adamw':
         raise ConfigError(f"optimizer={cfg.optimizer!r} does not work on FSDP's sharded parameters: "
                           f"use parallelism='ddp' or optimizer='adamw'")
-    if cfg.optimizer_offload and (world > 1 or cfg.optimizer != 'adamw' or device_type != 'cuda' or dtype == 'float16'
-                                  or cfg.grad_clip > 0):
+    if cfg.optimizer_offload and (world > 1 or cfg.optimizer != 'adamw' or device_type != 'cuda'
+                                  or r.dtype == 'float16' or cfg.grad_clip > 0):
         raise ConfigError("optimizer_offload=True works with optimizer='adamw' in one process on one CUDA GPU, "
                           "in bfloat16 or float32, with grad_clip=0 (the gradients are copied to the CPU during "
                           "the backward pass, before they could be clipped)")
 
     # ---- parallelism: DDP replicates the model, FSDP2 shards parameters, gradients and optimizer state
-    wrapped, grad_sync, parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
+    r.wrapped, r.grad_sync, r.parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
     if world > 1 and cfg.parallelism == 'ddp':
-        wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None)
-        grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
-        parallel_note = f'DDP, {world} processes'
+        r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None)
+        r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
+        r.parallel_note = f'DDP, {world} processes'
     elif world > 1:
-        if dtype == 'float16':
+        if r.dtype == 'float16':
             raise ConfigError("parallelism='fsdp' runs in bfloat16 or float32, not float16: set dtype")
         # FSDP's mixed-precision policy computes in ptdtype and reduces gradients in float32; it takes the
         # place of autocast
@@ -646,205 +654,237 @@ def run(cfg, argv, device, rank, world):
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        autocast = nullcontext()
+        r.autocast = nullcontext()
         # the gradients are reduce-scattered after the last micro-step only
-        grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
-        parallel_note = f'FSDP2, {world} processes'
-    # ---- resume
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path, best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
-    metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    iter_num, best_val_loss, rng, last_eval, ckpt = 0, math.inf, None, None, None
-    if cfg.init_from == 'resume':
-        ckpt = load_checkpoint(ckpt_path, 'cpu')
-        missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
-        if missing:
-            raise TrainError(f"{ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
-        shape_diff = config_diff(ckpt['model_args'], model_config.to_dict(), SHAPE_KEYS)
-        if shape_diff:
-            raise TrainError(f"the model in {ckpt_path} has another shape than this config:\n"
-                             + "\n".join(shape_diff) + "\nresume with the config the run started with")
-        changed = config_diff(ckpt['config'], vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
-        if changed:
-            say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
-        set_model_state_dict(model, ckpt['model'], options=full)
-        if ckpt['scaler'] and scaler.is_enabled():  # a bf16/fp32 run's scaler state is empty: start afresh
-            scaler.load_state_dict(ckpt['scaler'])
-        batches.load_state_dict(ckpt['batches'])
-        iter_num, best_val_loss, rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
-        last_eval = iter_num if ckpt['evaluated'] else None
-        say(f"resuming from {ckpt_path} at iteration {iter_num} (best val loss {best_val_loss:.4f})")
-        if master and os.path.exists(metrics_path):  # drop lines logged after the checkpoint: they are replayed
-            with open(metrics_path) as f:
-                lines = [ln for ln in f if json.loads(ln)['iter'] <= iter_num]
-            with open(metrics_path, 'w') as f:
-                f.writelines(lines)
-    elif master and any(os.path.exists(p) for p in (ckpt_path, best_path, metrics_path)):
-        keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
-        for p in (ckpt_path, best_path, metrics_path):
-            if os.path.exists(p):
-                shutil.move(p, keep)
-        say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
+        r.grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
+        r.parallel_note = f'FSDP2, {world} processes'
 
+    ckpt = start_or_resume(r)
     # ---- optimizer, built after the weights are loaded (the CPU-offload optimizer copies them)
-    optimizer = configure_optimizer(model, cfg, device_type)
-    opts = list(getattr(optimizer, 'optimizers', [optimizer]))
-
-    def optimizer_state():  # keyed by parameter name, so it loads under any number of processes
-        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
-            return optimizer.state_dict()
-        # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
-        # taking a zero-gradient step, which counts as a step in AdamW's bias correction
-        if not agree(any(opt.state for opt in opts), device):
-            return None
-        return get_optimizer_state_dict(model, opts, options=full)
-
+    r.optimizer = configure_optimizer(model, cfg, device_type)
     if ckpt is not None and ckpt['optimizer'] is not None:
-        settings = [{k: v for k, v in group.items() if k != 'params'} for group in optimizer.param_groups]
-        if cfg.optimizer_offload:
-            optimizer.load_state_dict(ckpt['optimizer'])
+        settings = [{k: v for k, v in group.items() if k != 'params'} for group in r.optimizer.param_groups]
+        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+            r.optimizer.load_state_dict(ckpt['optimizer'])
         else:
-            set_optimizer_state_dict(model, opts, ckpt['optimizer'], options=full)
-        for group, setting in zip(optimizer.param_groups, settings):  # this run's betas, weight decay, ...
+            set_optimizer_state_dict(model, optimizers(r.optimizer), ckpt['optimizer'], options=FULL_STATE)
+        for group, setting in zip(r.optimizer.param_groups, settings):  # this run's betas, weight decay, ...
             group.update(setting)
-    ckpt = None  # free its memory
+    del ckpt  # free its memory
+    r.compiled, r.compile_note = compile_model(r)
+    return r
 
-    # ---- compile
-    compiled, compile_note = wrapped, 'off'
-    if cfg.compile:
-        compiled = torch.compile(wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
-        try:  # compilation happens at the first call: do it now, on throwaway data, to catch failures
-            with torch.random.fork_rng(devices=[device] if device_type == 'cuda' else []):
-                x, y = eval_splits['train'].next_batch  # a real batch (same shapes and strides), not consumed
-                with autocast:
-                    compiled(x, y, label_smoothing=cfg.label_smoothing)[1].backward()
-                compiled.eval()
-                with torch.no_grad(), autocast:
-                    compiled(x, y)
-                compiled.train()
-            optimizer.zero_grad(set_to_none=True)
-            compile_note = f'on (mode {cfg.compile_mode})'
-        except Exception as e:
-            bar = '!' * 100
-            print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
-                  f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
-            compiled, compile_note = wrapped, 'FAILED, running eager (see the warning above)'
-            optimizer.zero_grad(set_to_none=True)
-            model.train()
 
-    # ---- report what this run is
+def start_or_resume(r):
+    """Resume from out_dir/ckpt.pt (model, scaler, data and counters; returns the checkpoint for the
+    optimizer), or start afresh, moving an earlier run's files aside. Sets the run's paths and counters."""
+    cfg, say = r.cfg, r.say
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
+    r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
+    r.iter_num, r.best_val_loss, r.rng, r.last_eval = 0, math.inf, None, None
+    if cfg.init_from != 'resume':
+        if r.master and any(os.path.exists(p) for p in (r.ckpt_path, r.best_path, r.metrics_path)):
+            keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
+            for p in (r.ckpt_path, r.best_path, r.metrics_path):
+                if os.path.exists(p):
+                    shutil.move(p, keep)
+            say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to "
+                f"continue it)")
+        return None
+    ckpt = load_checkpoint(r.ckpt_path, 'cpu')
+    missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
+    if missing:
+        raise TrainError(f"{r.ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
+    shape_diff = config_diff(ckpt['model_args'], r.model_config.to_dict(), SHAPE_KEYS)
+    if shape_diff:
+        raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
+                         + "\n".join(shape_diff) + "\nresume with the config the run started with")
+    changed = config_diff(ckpt['config'], vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
+    if changed:
+        say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
+    set_model_state_dict(r.model, ckpt['model'], options=FULL_STATE)
+    if ckpt['scaler'] and r.scaler.is_enabled():  # a bf16/fp32 run's scaler state is empty: start afresh
+        r.scaler.load_state_dict(ckpt['scaler'])
+    r.batches.load_state_dict(ckpt['batches'])
+    r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
+    r.last_eval = r.iter_num if ckpt['evaluated'] else None
+    say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
+    if r.master and os.path.exists(r.metrics_path):  # drop lines logged after the checkpoint: they are replayed
+        with open(r.metrics_path) as f:
+            lines = [ln for ln in f if json.loads(ln)['iter'] <= r.iter_num]
+        with open(r.metrics_path, 'w') as f:
+            f.writelines(lines)
+    return ckpt
+
+
+def compile_model(r):
+    """torch.compile the wrapped model and compile it now, on a real batch, so that a failure shows before
+    training: it is reported loudly and the run goes on eager. Returns (the model to call, a note)."""
+    cfg = r.cfg
+    if not cfg.compile:
+        return r.wrapped, 'off'
+    compiled = torch.compile(r.wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
+    try:  # compilation happens at the first call
+        with torch.random.fork_rng(devices=[r.device] if r.device_type == 'cuda' else []):
+            x, y = r.eval_splits['train'].next_batch  # a real batch (same shapes and strides), not consumed
+            with r.autocast:
+                compiled(x, y, label_smoothing=cfg.label_smoothing)[1].backward()
+            compiled.eval()
+            with torch.no_grad(), r.autocast:
+                compiled(x, y)
+            compiled.train()
+        r.optimizer.zero_grad(set_to_none=True)
+        return compiled, f'on (mode {cfg.compile_mode})'
+    except Exception as e:
+        bar = '!' * 100
+        print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
+              f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
+        r.optimizer.zero_grad(set_to_none=True)
+        r.model.train()
+        return r.wrapped, 'FAILED, running eager (see the warning above)'
+
+
+def report(r):
+    """Print the resolved config, the model and which optimizations are on (and why any is off)."""
+    cfg, say, model = r.cfg, r.say, r.model
     width = max(map(len, DEFAULTS))
     say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
-    tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
-        f"token, vocab {vocab} ({meta['tokenizer']}, {meta['vocab_size']} used), "
-        f"{tokens_per_iter:,} tokens per iteration")
+        f"token, vocab {r.vocab} ({r.meta['tokenizer']}, {r.meta['vocab_size']} used), "
+        f"{tokens_per_iter(cfg):,} tokens per iteration")
+    cuda = r.device_type == 'cuda'
     say("optimizations:")
-    say(f"  device            {device}")
-    say(f"  precision         {dtype} ({dtype_reason})" + (', GradScaler on' if scaler.is_enabled() else ''))
-    say(f"  TF32 matmuls      {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    say(f"  device            {r.device}")
+    say(f"  precision         {r.dtype} ({r.dtype_reason})" + (', GradScaler on' if r.scaler.is_enabled() else ''))
+    say(f"  TF32 matmuls      {'on' if cuda else 'off (CUDA only)'}")
     say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
-    fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in opts)
+    fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in optimizers(r.optimizer))
     say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
         + (', state and step on the CPU (torchao)' if cfg.optimizer_offload else ''))
-    say(f"  fp8               {fp8_note}")
-    say(f"  parallelism       {parallel_note}")
-    say(f"  compile           {compile_note}")
+    say(f"  fp8               {r.fp8_note}")
+    say(f"  parallelism       {r.parallel_note}")
+    say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
-    say(f"  pinned memory     {'on' if device_type == 'cuda' else 'off (CUDA only)'}")
+    say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
 
-    def save(*paths):  # every process takes part (FSDP gathers the shards); process 0 writes each path
-        if not agree(weights_finite(model), device):
-            raise TrainError(f"iteration {iter_num}: the weights hold NaN/inf; not saving {', '.join(paths)}")
-        rngs = [rng_state()]
-        if world > 1:
-            rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state())
-        state = {'model': get_model_state_dict(model, options=full),
-                 'optimizer': optimizer_state(),
-                 'scaler': scaler.state_dict(), 'iter_num': iter_num, 'best_val_loss': best_val_loss,
-                 'config': vars(cfg), 'model_args': model_config.to_dict(), 'meta': meta,
-                 'batches': batches.state_dict(), 'rng': rngs, 'argv': list(argv),
-                 'evaluated': last_eval == iter_num}
-        for path in paths if master else ():
-            save_checkpoint(path, state)
+
+def tokens_per_iter(cfg):
+    return cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+
+
+def optimizers(optimizer):
+    """The torch optimizers inside an optimizer (several for Muon's Optimizers)."""
+    return list(getattr(optimizer, 'optimizers', [optimizer]))
+
+
+def save(r, *paths):
+    """Checkpoint the run to each path. Every process takes part (FSDP gathers the shards); process 0 writes."""
+    if not agree(weights_finite(r.model), r.device):
+        raise TrainError(f"iteration {r.iter_num}: the weights hold NaN/inf; not saving {', '.join(paths)}")
+    rngs = [rng_state()]
+    if r.world > 1:
+        rngs = [None] * r.world
+        dist.all_gather_object(rngs, rng_state())
+    state = {'model': get_model_state_dict(r.model, options=FULL_STATE),
+             'optimizer': optimizer_state(r),
+             'scaler': r.scaler.state_dict(), 'iter_num': r.iter_num, 'best_val_loss': r.best_val_loss,
+             'config': vars(r.cfg), 'model_args': r.model_config.to_dict(), 'meta': r.meta,
+             'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv),
+             'evaluated': r.last_eval == r.iter_num}
+    for path in paths if r.master else ():
+        save_checkpoint(path, state)
+
+
+def optimizer_state(r):
+    """The optimizer's state dict, keyed by parameter name, so that it loads under any number of processes."""
+    if r.cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+        return r.optimizer.state_dict()
+    opts = optimizers(r.optimizer)
+    # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
+    # taking a zero-gradient step, which counts as a step in AdamW's bias correction
+    if not agree(any(opt.state for opt in opts), r.device):
+        return None
+    return get_optimizer_state_dict(r.model, opts, options=FULL_STATE)
+
+
+def train_loop(r):
+    """The training loop: evaluate and checkpoint every eval_interval, step, log; returns the exit code."""
+    cfg, say, world = r.cfg, r.say, r.world
 
     def log(record):
-        if master:
-            with open(metrics_path, 'a') as f:
+        if r.master:
+            with open(r.metrics_path, 'a') as f:
                 f.write(json.dumps(record) + '\n')
 
     launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
-    resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in argv if not a.startswith('--init_from=')]
+    resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
                             + ['--init_from=resume'])
-
-    # ---- training loop
     with stop_on_signals() as stop:
-        if rng is not None and rank < len(rng):  # each process its own RNG state
-            set_rng_state(rng[rank])
-        elif rng is not None:  # more processes than the checkpoint's run had
-            torch.manual_seed(cfg.seed + rank + iter_num)
+        if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
+            set_rng_state(r.rng[r.rank])
+        elif r.rng is not None:  # more processes than the checkpoint's run had
+            torch.manual_seed(cfg.seed + r.rank + r.iter_num)
         state_reported = False
-        bad_steps, skipped, saved_iter = 0, 0, (iter_num if cfg.init_from == 'resume' else None)
-        t0, t0_iter = time.time(), iter_num
+        bad_steps, skipped, saved_iter = 0, 0, (r.iter_num if cfg.init_from == 'resume' else None)
+        t0, t0_iter = time.time(), r.iter_num
         while True:
-            if iter_num % cfg.eval_interval == 0 and last_eval != iter_num:
-                losses = estimate_loss(compiled, eval_splits, autocast)
-                say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log({'iter': iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
-                last_eval = iter_num
-                improved = losses['val'] < best_val_loss
-                best_val_loss = min(best_val_loss, losses['val'])
-                save(*([best_path] if improved else []), ckpt_path)
-                saved_iter = iter_num
-                t0, t0_iter = time.time(), iter_num  # keep evaluation out of the throughput figures
-            if iter_num >= cfg.max_iters:
+            if r.iter_num % cfg.eval_interval == 0 and r.last_eval != r.iter_num:
+                losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
+                say(f"iter {r.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                log({'iter': r.iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
+                r.last_eval = r.iter_num
+                improved = losses['val'] < r.best_val_loss
+                r.best_val_loss = min(r.best_val_loss, losses['val'])
+                save(r, *([r.best_path] if improved else []), r.ckpt_path)
+                saved_iter = r.iter_num
+                t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
+            if r.iter_num >= cfg.max_iters:
                 break
-            lr = get_lr(iter_num, cfg)
-            for group in optimizer.param_groups:
+            lr = get_lr(r.iter_num, cfg)
+            for group in r.optimizer.param_groups:
                 group['lr'] = lr
-            loss, norm, ok = train_step(compiled, optimizer, scaler, batches, accum_steps, autocast,
-                                        cfg.grad_clip, cfg.label_smoothing, grad_sync)
-            iter_num += 1
+            loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
+                                        cfg.grad_clip, cfg.label_smoothing, r.grad_sync)
+            r.iter_num += 1
             if not ok:
                 bad_steps, skipped = bad_steps + 1, skipped + 1
-                say(f"iter {iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
+                say(f"iter {r.iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
                     f"step skipped ({bad_steps} in a row)", file=sys.stderr)
                 if bad_steps >= cfg.max_nonfinite_steps:
-                    raise TrainError(f"iteration {iter_num}: {bad_steps} consecutive steps with a non-finite loss or "
-                                     f"gradient; stopping. The last good checkpoint is {ckpt_path} "
+                    raise TrainError(f"iteration {r.iter_num}: {bad_steps} consecutive steps with a non-finite loss "
+                                     f"or gradient; stopping. The last good checkpoint is {r.ckpt_path} "
                                      f"(iteration {saved_iter}); lower learning_rate or check the data")
             else:
                 bad_steps = 0
-            if ok and iter_num % cfg.log_interval == 0:
+            if ok and r.iter_num % cfg.log_interval == 0:
                 loss = loss.item()  # the one sync of a log step
                 dt = time.time() - t0
-                ms_per_iter = 1000 * dt / max(1, iter_num - t0_iter)
-                tokens_per_sec = tokens_per_iter * (iter_num - t0_iter) / dt
-                mfu = model.estimate_mfu(tokens_per_sec / world, device, dtype, cfg.block_size)  # per GPU
-                mem = peak_memory_mb(device_type)
-                left = (cfg.max_iters - iter_num) * ms_per_iter / 1000
-                say(f"iter {iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
+                ms_per_iter = 1000 * dt / max(1, r.iter_num - t0_iter)
+                tokens_per_sec = tokens_per_iter(cfg) * (r.iter_num - t0_iter) / dt
+                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, cfg.block_size)  # per GPU
+                mem = peak_memory_mb(r.device_type)
+                left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000
+                say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
                     f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
-                log({'iter': iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
+                log({'iter': r.iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
                      'peak_mem_mb': mem})
                 if not state_reported and not cfg.optimizer_offload:  # the state exists once a step has run
-                    say(f"optimizer state: {optimizer_state_bytes(optimizer) / model.num_params():.2f} bytes per "
-                        f"parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
+                    say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
+                        f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
                     state_reported = True
-                t0, t0_iter = time.time(), iter_num
-            if agree(bool(stop), device, every=False):  # a signal to any process stops them all, at one step
-                save(ckpt_path)
+                t0, t0_iter = time.time(), r.iter_num
+            if agree(bool(stop), r.device, every=False):  # a signal to any process stops them all, at one step
+                save(r, r.ckpt_path)
                 signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
-                say(f"{signal.Signals(signum).name}: saved {ckpt_path} at iteration {iter_num}. Resume with:\n"
+                say(f"{signal.Signals(signum).name}: saved {r.ckpt_path} at iteration {r.iter_num}. Resume with:\n"
                     f"  {resume_cmd}")
                 return 128 + signum
-        if saved_iter != iter_num:
-            save(ckpt_path)
-        say(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
+        if saved_iter != r.iter_num:
+            save(r, r.ckpt_path)
+        say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
         return 0
 
 
