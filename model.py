@@ -8,8 +8,9 @@ Features, each findable by name below:
 - Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers.
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
-- MLP: SwiGLU (default), GeGLU or GELU.
-- Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth.
+- MLP: SwiGLU (default), GeGLU, GELU or ReLU^2.
+- Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth
+  (or zero: zero_init_proj); optional logit soft-capping (softcap).
 - Activation checkpointing (`model.activation_checkpointing`): 'full' recomputes each block in backward;
   'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
@@ -37,9 +38,11 @@ class GPTConfig:
     dropout: float = 0.0
     qk_norm: bool = False      # RMSNorm on queries and keys before RoPE (stabilizes large-lr training)
     tie_embeddings: bool = True
-    mlp: str = 'swiglu'        # 'swiglu', 'geglu' or 'gelu'
+    mlp: str = 'swiglu'        # 'swiglu', 'geglu', 'gelu' or 'relu2'
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    logit_softcap: float = 0.0   # > 0: logits = logit_softcap * tanh(logits / logit_softcap); 0: off
+    zero_init_proj: bool = False  # attn.proj and mlp.down, which write into the residual stream, start at zero
     # derived in __post_init__
     head_dim: int = 0
     mlp_hidden: int = 0
@@ -58,13 +61,15 @@ class GPTConfig:
         self.head_dim = self.n_embd // self.n_head
         if self.head_dim % 2:
             raise ValueError(f"GPTConfig: head_dim={self.head_dim} (n_embd/n_head) must be even for RoPE")
-        if self.mlp not in ('swiglu', 'geglu', 'gelu'):
-            raise ValueError(f"GPTConfig: mlp={self.mlp!r}, expected 'swiglu', 'geglu' or 'gelu'")
+        if self.mlp not in ('swiglu', 'geglu', 'gelu', 'relu2'):
+            raise ValueError(f"GPTConfig: mlp={self.mlp!r}, expected 'swiglu', 'geglu', 'gelu' or 'relu2'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+        if self.logit_softcap < 0:
+            raise ValueError(f"GPTConfig: logit_softcap={self.logit_softcap} must be >= 0 (0: off)")
         # Gated MLPs have three matrices instead of two: 8/3 * n_embd keeps the parameter count of a
         # 4 * n_embd GELU MLP (Shazeer 2020). Rounded up to a multiple of 64 for the matmul kernels.
-        hidden = 4 * self.n_embd if self.mlp == 'gelu' else int(8 * self.n_embd / 3)
+        hidden = 4 * self.n_embd if self.mlp in ('gelu', 'relu2') else int(8 * self.n_embd / 3)
         self.mlp_hidden = 64 * math.ceil(hidden / 64)
 
     def to_dict(self):
@@ -126,7 +131,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.kind = config.mlp
-        gated = config.mlp != 'gelu'
+        gated = config.mlp in ('swiglu', 'geglu')
         self.up = nn.Linear(config.n_embd, config.mlp_hidden * (2 if gated else 1), bias=False)  # [gate, up] fused
         self.down = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
         self.dropout = config.dropout
@@ -135,6 +140,8 @@ class MLP(nn.Module):
         h = self.up(x)
         if self.kind == 'gelu':
             h = F.gelu(h)
+        elif self.kind == 'relu2':  # ReLU squared (So et al. 2021, Primer, https://arxiv.org/abs/2109.08668)
+            h = F.relu(h).square()
         else:  # SwiGLU / GeGLU (Shazeer 2020, https://arxiv.org/abs/2002.05202)
             gate, h = h.chunk(2, dim=-1)
             h = (F.silu(gate) if self.kind == 'swiglu' else F.gelu(gate)) * h
@@ -170,6 +177,12 @@ class KVCache:
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def softcap(logits, cap):
+    """cap * tanh(logits / cap): logits smoothly bounded to (-cap, cap) (Gemma 2, https://arxiv.org/abs/2408.00118;
+    modded-nanogpt); cap 0 leaves them as they are."""
+    return logits if cap == 0 else cap * torch.tanh(logits / cap)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -208,9 +221,10 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # GPT-2: the two projections that write into the residual stream get std / sqrt(2 * n_layer),
         # so the residual's variance stays about constant with depth.
+        # zero_init_proj: each block starts as the identity and its output grows from zero (modded-nanogpt)
         for block in self.blocks:
             for w in (block.attn.proj.weight, block.mlp.down.weight):
-                nn.init.normal_(w, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(w, mean=0.0, std=0.0 if config.zero_init_proj else 0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -218,6 +232,16 @@ class GPT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # a tied matrix is counted once
+
+    def fused_parts(self):
+        """The row blocks of each fused matrix, {weight: row counts}: [q, k, v] of the QKV projections, [gate, up]
+        of a gated MLP's input projection (what train.Muon orthogonalizes separately with muon_split)."""
+        c, parts = self.config, {}
+        for block in self.blocks:
+            parts[block.attn.qkv.weight] = [c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim]
+            if c.mlp in ('swiglu', 'geglu'):
+                parts[block.mlp.up.weight] = [c.mlp_hidden, c.mlp_hidden]
+        return parts
 
     def forward(self, idx, targets=None, label_smoothing=0.0, cache=None):
         """Logits (B, T, vocab_size) and the mean cross-entropy loss when targets are given, else None."""
@@ -236,7 +260,7 @@ class GPT(nn.Module):
                 x = block(x, cos, sin, cache, layer)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(self.norm(x))  # (B, T, vocab_size)
+        logits = softcap(self.lm_head(self.norm(x)), self.config.logit_softcap)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),

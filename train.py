@@ -31,20 +31,25 @@ keys and wrong types are errors). Features, each findable by name:
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
-- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl.
+- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl, each
+  line with time_s, the wall seconds since the process started.
 """
-import json
-import math
-import os
-import random
-import re
-import resource
-import shlex
-import shutil
-import signal
-import sys
-import tempfile
 import time
+
+START_TIME = time.time()  # first of all, before the heavy imports: time_s counts from here (see log_record)
+
+import collections  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import resource  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
@@ -63,7 +68,7 @@ out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best va
 data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prepare_data.py
 init_from = 'scratch'           # 'scratch', or 'resume' from out_dir/ckpt.pt
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
-eval_iters = 50                 # batches per split in each evaluation
+eval_iters = 50                 # batches per split in each evaluation; 0: the whole val split (see Windows)
 log_interval = 10               # iterations between log lines
 seed = 1337
 # model (model.GPTConfig)
@@ -76,25 +81,30 @@ vocab_size = 0                  # 0: the dataset's vocabulary, rounded up to a m
 dropout = 0.0
 qk_norm = False
 tie_embeddings = True
-mlp = 'swiglu'                  # 'swiglu', 'geglu' or 'gelu'
+mlp = 'swiglu'                  # 'swiglu', 'geglu', 'gelu' or 'relu2' (ReLU squared)
 rope_base = 10000.0
+logit_softcap = 0.0             # > 0: logits = softcap * tanh(logits / softcap) (Gemma 2); 0: off
+zero_init_proj = False          # the projections into the residual stream (attn.proj, mlp.down) start at zero
 label_smoothing = 0.0
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
 batch_size = 12
 gradient_accumulation_steps = 1
 # optimizer
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
+muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
 optimizer_offload = False       # keep AdamW's state in CPU memory (torchao; one CUDA GPU)
 learning_rate = 6e-4            # muon uses it too: its updates are scaled to AdamW's RMS
 weight_decay = 0.1              # applied to matrices only, never to norms
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0                 # clip the global gradient norm to this; 0 disables clipping
-# learning rate: linear warmup, cosine decay to min_lr at lr_decay_iters, then min_lr
+# learning rate: linear warmup, then a decay to min_lr at lr_decay_iters, then min_lr
 max_iters = 5000
 warmup_iters = 100
 lr_decay_iters = 0              # 0: max_iters
 min_lr = 6e-5
+lr_schedule = 'cosine'          # 'cosine' decay, or 'wsd': stable at learning_rate, then a linear decay
+wsd_decay_frac = 0.2            # wsd: the decay takes this last fraction of lr_decay_iters
 # system
 device = 'auto'                 # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16 uses a GradScaler)
@@ -240,16 +250,54 @@ class Batches:
         self._prefetch()
 
 
+class Windows:
+    """Every non-overlapping window of block_size + 1 tokens of a split, in order, batch_size windows per
+    forward: the loss over the whole split (all but its last (len - 1) % block_size tokens, too few for a
+    window), with no sampling noise. Process `rank` of `world` takes batches rank, rank + world, ..."""
+
+    def __init__(self, tokens, batch_size, block_size, device, rank=0, world=1):
+        self.tokens, self.batch_size, self.block_size, self.device = tokens, batch_size, block_size, device
+        self.rank, self.world = rank, world
+        self.count = (len(tokens) - 1) // block_size  # windows; load_tokens makes it at least 1
+        self.batches = math.ceil(self.count / batch_size)
+
+    def batch(self, i):
+        """Inputs and targets of the i-th batch of windows, (B, T) each: one contiguous slice of the tokens."""
+        T, first, last = self.block_size, i * self.batch_size, min(self.count, (i + 1) * self.batch_size)
+        buf = torch.from_numpy(self.tokens[first * T:last * T + 1].astype(np.int64))
+        return buf[:-1].view(-1, T).to(self.device), buf[1:].view(-1, T).to(self.device)
+
+    def mean_loss(self, model, autocast):
+        total = torch.zeros((), device=self.device)
+        # every process runs the same number of forwards (under FSDP each one is a collective); a process
+        # left without a batch repeats the first one and gives it no weight
+        for i in range(self.rank, self.world * math.ceil(self.batches / self.world), self.world):
+            x, y = self.batch(i if i < self.batches else 0)
+            with autocast:
+                _, loss = model(x, y)
+            total += loss.float() * (x.size(0) if i < self.batches else 0)  # windows of equal length
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return (total / self.count).item()
+
+
 # ----------------------------------------------------------------------------------------------------
 # optimization
 
 def get_lr(it, cfg):
-    """Linear warmup for warmup_iters, cosine decay to min_lr at lr_decay_iters, min_lr after."""
+    """Linear warmup for warmup_iters, a decay to min_lr at lr_decay_iters, min_lr after. The decay is
+    lr_schedule's: 'cosine' from the end of warmup; 'wsd' (warmup-stable-decay, Hägele et al. 2024,
+    https://arxiv.org/abs/2405.18392) holds learning_rate, then decays linearly over the last
+    wsd_decay_frac of lr_decay_iters."""
     decay_iters = cfg.lr_decay_iters or cfg.max_iters
     if it < cfg.warmup_iters:
         return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
     if it >= decay_iters:
         return cfg.min_lr
+    if cfg.lr_schedule == 'wsd':
+        start = max(cfg.warmup_iters, decay_iters - round(cfg.wsd_decay_frac * decay_iters))
+        ratio = max(0, it - start) / max(1, decay_iters - start)
+        return cfg.learning_rate - ratio * (cfg.learning_rate - cfg.min_lr)
     ratio = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
@@ -273,15 +321,72 @@ class Optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
 
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's update with adjust_lr_fn='match_rms_adamw' (Jordan 2024; Liu et al. 2025): nesterov
+    momentum, Newton-Schulz orthogonalization, the step scaled by 0.2 sqrt(max(A, B)) to AdamW's RMS, decoupled
+    weight decay. Two things torch's cannot do:
+    - parts: a fused matrix listed with its row counts ({param: [q, k, v]} for the QKV projection, [gate, up]
+      for a gated MLP) is orthogonalized and scaled part by part, as if each part were a matrix of its own,
+      as modded-nanogpt does with separate matrices;
+    - cost on small matrices: all matrices (or parts) of one shape go through Newton-Schulz together, as
+      batched matmuls, in float32 off CUDA: a CPU without bf16 units runs torch's bf16 Newton-Schulz about
+      10x slower than float32 (bf16 on CUDA, as torch).
+    The state is torch's ('momentum_buffer' per matrix): a checkpoint of either resumes with the other.
+    """
+
+    def __init__(self, params, lr, weight_decay, momentum=0.95, ns_steps=5, parts=None):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
+        self.parts = parts or {}
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, wd, mu = group['lr'], group['weight_decay'], group['momentum']
+            jobs = collections.defaultdict(list)  # (part shape, device) -> [(param, part's rows, update part)]
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                if 'momentum_buffer' not in self.state[p]:
+                    self.state[p]['momentum_buffer'] = torch.zeros_like(p)
+                buf = self.state[p]['momentum_buffer']
+                buf.lerp_(p.grad, 1 - mu)
+                update = p.grad.lerp(buf, mu)  # nesterov
+                p.mul_(1 - lr * wd)
+                sizes = self.parts.get(p, [p.size(0)])
+                for rows, part in zip(p.split(sizes), update.split(sizes)):
+                    jobs[part.shape, p.device].append((rows, part))
+            for (shape, device), parts in jobs.items():
+                dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
+                ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], dtype)
+                for (rows, _), o in zip(parts, ortho):
+                    rows.add_(o.to(rows.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
+
+
+def newton_schulz(G, steps, dtype=torch.float32):
+    """Keller Jordan's quintic Newton-Schulz iteration on each matrix of G (N, A, B), as torch.optim.Muon runs
+    it: about U V^T for G = U S V^T (singular values end up in roughly 0.7 to 1.2, which trains as well)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:  # the Gram matrix X X^T of the wide orientation is the smaller one
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)  # spectral norm at most 1
+    for _ in range(steps):
+        A = X @ X.mT
+        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)  # a X + (b A + c A^2) X
+    return X.mT if tall else X
+
+
 def configure_optimizer(model, cfg, device_type, fused=None):
     """The optimizer named by cfg.optimizer, with weight decay on matrices (embeddings, linear weights) only.
 
     adamw: torch's AdamW, fused on CUDA (8 bytes of state per parameter); with optimizer_offload, torchao's
     CPUOffloadOptimizer keeps that state in CPU memory and steps there. adamw8bit, paged_adamw8bit:
     bitsandbytes' 8-bit AdamW (about 2 bytes per parameter; small tensors stay 32-bit, as bitsandbytes
-    decides; paged state lives in CUDA managed memory). muon: torch.optim.Muon on the blocks' matrices,
-    orthogonalized updates scaled to AdamW's RMS (Liu et al. 2025, https://arxiv.org/abs/2502.16982) so
-    that one learning_rate serves both, and AdamW on embeddings, head and norms. fused=False asks for torch's
+    decides; paged state lives in CUDA managed memory). muon: Muon (torch.optim.Muon's update, see the class)
+    on the blocks' matrices, orthogonalized updates scaled to AdamW's RMS (Liu et al. 2025,
+    https://arxiv.org/abs/2502.16982) so that one learning_rate serves both, and AdamW on embeddings, head and
+    norms; muon_split orthogonalizes the parts of the fused matrices separately. fused=False asks for torch's
     default AdamW kernels (multi-tensor on CUDA) instead of the fused one, as bench.py's early rungs do.
     """
     fused = (device_type == 'cuda') if fused is None else fused
@@ -292,8 +397,8 @@ def configure_optimizer(model, cfg, device_type, fused=None):
     if cfg.optimizer == 'muon':
         hidden = [p for n, p in params if p.dim() == 2 and n.startswith('blocks.')]
         groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
-        muon = torch.optim.Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                adjust_lr_fn='match_rms_adamw')
+        parts = model.fused_parts() if cfg.muon_split else {}
+        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, parts=parts)
         return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=fused or None))
     if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
         bnb = import_bitsandbytes(cfg.optimizer, device_type)
@@ -417,10 +522,14 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
 
 @torch.no_grad()
 def estimate_loss(model, splits, autocast):
-    """Mean loss over each split's batches (a draw of `groups`, shared among processes); the same every time."""
+    """Mean loss over each split's batches (a draw of `groups`, shared among processes), or over all its
+    windows (Windows); the same every time."""
     model.eval()
     out = {}
     for name, batches in splits.items():
+        if isinstance(batches, Windows):
+            out[name] = batches.mean_loss(model, autocast)
+            continue
         batches.reset()
         total = torch.zeros((), device=batches.device)
         # every process runs the same number of forwards (under FSDP each one is a collective); where the
@@ -552,15 +661,16 @@ def main(argv):
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
     for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval',
-                'eval_iters', 'log_interval', 'max_nonfinite_steps'):
+                'log_interval', 'max_nonfinite_steps'):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    check_new_keys(cfg)
     # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain run is process 0 of 1
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     if cfg.gradient_accumulation_steps % world:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is the global number of "
                           f"micro-batches per step and must be divisible by the number of processes ({world})")
-    if cfg.eval_iters < world:
+    if 0 < cfg.eval_iters < world:
         raise ConfigError(f"eval_iters={cfg.eval_iters} is the global number of eval batches, shared among the "
                           f"processes: give at least one to each of the {world}")
     device = pick_device(cfg.device)
@@ -580,6 +690,16 @@ def main(argv):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_new_keys(cfg):
+    """The schedule's and the evaluation's keys."""
+    if cfg.eval_iters < 0:
+        raise ConfigError(f"eval_iters={cfg.eval_iters}: expected a number of batches, or 0 for the whole val split")
+    if cfg.lr_schedule not in ('cosine', 'wsd'):
+        raise ConfigError(f"lr_schedule={cfg.lr_schedule!r}: expected one of 'cosine', 'wsd'")
+    if not 0.0 < cfg.wsd_decay_frac <= 1.0:
+        raise ConfigError(f"wsd_decay_frac={cfg.wsd_decay_frac} must be in (0, 1]")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,9 +731,7 @@ def setup(cfg, argv, device, rank, world):
     val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                         cfg.gradient_accumulation_steps, rank, world)
-    r.eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters,
-                                    rank, world)
-                     for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
+    r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
 
     # ---- model
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
@@ -696,7 +814,8 @@ def start_or_resume(r):
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
         raise TrainError(f"{r.ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
-    shape_diff = config_diff(ckpt['model_args'], r.model_config.to_dict(), SHAPE_KEYS)
+    old_args = {**GPTConfig().to_dict(), **ckpt['model_args']}  # a field newer than the checkpoint: its default
+    shape_diff = config_diff(old_args, r.model_config.to_dict(), SHAPE_KEYS)
     if shape_diff:
         raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
                          + "\n".join(shape_diff) + "\nresume with the config the run started with")
@@ -727,7 +846,7 @@ def compile_model(r):
     compiled = torch.compile(r.wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     try:  # compilation happens at the first call
         with torch.random.fork_rng(devices=[r.device] if r.device_type == 'cuda' else []):
-            x, y = r.eval_splits['train'].next_batch  # a real batch (same shapes and strides), not consumed
+            x, y = r.batches.next_batch  # a real batch (same shapes and strides), not consumed
             with r.autocast:
                 compiled(x, y, label_smoothing=cfg.label_smoothing)[1].backward()
             compiled.eval()
@@ -767,6 +886,22 @@ def report(r):
     say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
+
+
+def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
+    """What each evaluation measures: eval_iters seeded batches of each split, or with eval_iters=0 every window
+    of the val split (the train split, 9 times larger on the default data, is then left out)."""
+    if cfg.eval_iters == 0:
+        return {'val': Windows(val_tokens, cfg.batch_size, cfg.block_size, device, rank, world)}
+    return {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
+            for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
+
+
+def log_record(record):
+    """A metrics.jsonl line: the record and time_s, wall seconds since train.py started (START_TIME; it leaves
+    out the interpreter's own start-up before the first line runs, about 20 ms). An eval line is stamped
+    after the evaluation, so time_s counts it."""
+    return {**record, 'time_s': round(time.time() - START_TIME, 3)}
 
 
 def tokens_per_iter(cfg):
@@ -815,7 +950,7 @@ def train_loop(r):
     def log(record):
         if r.master:
             with open(r.metrics_path, 'a') as f:
-                f.write(json.dumps(record) + '\n')
+                f.write(json.dumps(log_record(record)) + '\n')
 
     launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
     resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
@@ -831,8 +966,8 @@ def train_loop(r):
         while True:
             if r.iter_num % cfg.eval_interval == 0 and r.last_eval != r.iter_num:
                 losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
-                say(f"iter {r.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log({'iter': r.iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
+                say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
+                log({'iter': r.iter_num, **{f'{split}_loss': loss for split, loss in losses.items()}})
                 r.last_eval = r.iter_num
                 improved = losses['val'] < r.best_val_loss
                 r.best_val_loss = min(r.best_val_loss, losses['val'])
