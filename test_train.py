@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import time as time_module
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -751,8 +752,8 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-TRAIN_KEYS = {'iter', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb'}
-EVAL_KEYS = {'iter', 'train_loss', 'val_loss'}
+TRAIN_KEYS = {'iter', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb', 'time_s'}
+EVAL_KEYS = {'iter', 'train_loss', 'val_loss', 'time_s'}
 
 
 def test_metrics_have_the_documented_keys(runs):
@@ -809,3 +810,198 @@ def test_train_cli_reports_config_errors_without_traceback(tmp_path):
     assert proc.returncode != 0
     assert "'learning_rat'" in proc.stderr and "'learning_rate'" in proc.stderr
     assert 'Traceback' not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# the CPU speedrun's pieces: RoPE in fewer kernels, ReLU^2, zero-initialized projections, logit soft-capping,
+# the whole-split evaluation, time_s and the warmup-stable-decay schedule
+
+def rope_textbook(x, cos, sin):
+    """apply_rotary as the model first wrote it: halves by chunk, four products, one cat."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def test_rope_matches_the_textbook_formulation():
+    # Reference: rope_textbook in float64, values and gradients, on q and k as the model passes them (strided
+    # views into the fused qkv output), at positions 0..T-1 and at an offset (the KV cache's decode step);
+    # float32 within its rounding. A sign slip or swapped halves is off by O(1).
+    torch.manual_seed(0)
+    B, T, H, D = 2, 16, 3, 8
+    qkv = torch.randn(B, T, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    q = qkv[..., :H * D].view(B, T, H, D)
+    for cos, sin in (rope_cache(T, D, 10000.0), [t[5:6] for t in rope_cache(T, D, 500.0)]):
+        n = cos.size(0)
+        x = q[:, :n]
+        got, want = apply_rotary(x, cos.double(), sin.double()), rope_textbook(x, cos.double(), sin.double())
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+        g = torch.randn_like(want)
+        torch.testing.assert_close(torch.autograd.grad(got, qkv, g)[0], torch.autograd.grad(want, qkv, g)[0],
+                                   rtol=0, atol=1e-14)
+        got32 = apply_rotary(x.float(), cos, sin)
+        assert got32.dtype == torch.float32
+        torch.testing.assert_close(got32.double(), want, rtol=0, atol=1e-5)
+
+
+def test_relu2_mlp_matches_formula():
+    # Reference: max(0, x W_up^T)^2 W_down^T in float64, with a hidden width of 4 * n_embd (not gated).
+    config = tiny_config(mlp='relu2')
+    assert config.mlp_hidden == 4 * config.n_embd
+    torch.manual_seed(0)
+    mlp = MLP(config).double()
+    assert mlp.up.weight.shape == (4 * config.n_embd, config.n_embd)
+    x = torch.randn(2, 5, config.n_embd, dtype=torch.float64)
+    want = (x @ mlp.up.weight.T).clamp(min=0).pow(2) @ mlp.down.weight.T
+    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_init_proj_starts_each_block_as_the_identity():
+    # Reference: the default model from the same seed (every other weight must be the same draw), and the
+    # forward of a model without blocks, lm_head(norm(wte(idx))), which a block with zero projections adds
+    # nothing to; the projections still get a gradient, so they leave zero at the first step.
+    default, zero = tiny_model(seed=3), tiny_model(seed=3, zero_init_proj=True)
+    for (name, p), q in zip(zero.named_parameters(), default.parameters()):
+        if name.endswith(('attn.proj.weight', 'mlp.down.weight')):
+            assert not p.any() and q.any(), name
+        else:
+            assert torch.equal(p, q), name
+    x, y = random_batch(0, 2, 16, 32)
+    logits, loss = zero(x, y)
+    torch.testing.assert_close(logits, zero.lm_head(zero.norm(zero.wte(x))), rtol=0, atol=0)
+    loss.backward()
+    assert zero.blocks[0].attn.proj.weight.grad.abs().sum() > 0 and zero.blocks[1].mlp.down.weight.grad.abs().sum() > 0
+
+
+def test_logit_softcap_bounds_the_logits():
+    # Reference: cap * tanh(z / cap) of the uncapped model's logits z (same weights), and the cross-entropy of
+    # those capped logits by formula; the caps bind (|z| > cap somewhere), and no logit reaches the cap.
+    cap = 2.0
+    plain, capped = tiny_model(seed=1), tiny_model(seed=1, logit_softcap=cap)
+    with torch.no_grad():
+        plain.lm_head.weight.mul_(10)  # logits well beyond the cap
+    capped.load_state_dict(plain.state_dict())
+    x, y = random_batch(0, 2, 16, 32)
+    z, _ = plain(x, y)
+    logits, loss = capped(x, y)
+    assert z.abs().max() > 2 * cap and logits.abs().max() <= cap
+    torch.testing.assert_close(logits, cap * torch.tanh(z / cap), rtol=1e-6, atol=1e-6)
+    want = -(logits.log_softmax(-1).gather(-1, y[..., None])).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match='logit_softcap'):
+        tiny_config(logit_softcap=-1.0)
+
+
+def test_fused_parts_name_the_row_blocks():
+    # Reference: the fused weights' row layout, as the model splits them: [q | k | v] (GQA: fewer k, v rows) and
+    # [gate | up] for the gated MLPs; the ungated MLPs have no parts.
+    model = tiny_model(n_kv_head=2, mlp='swiglu')
+    parts = {n: model.fused_parts().get(p) for n, p in model.named_parameters()}
+    c = model.config
+    for i in range(c.n_layer):
+        assert parts[f'blocks.{i}.attn.qkv.weight'] == [4 * c.head_dim, 2 * c.head_dim, 2 * c.head_dim]
+        assert parts[f'blocks.{i}.mlp.up.weight'] == [c.mlp_hidden, c.mlp_hidden]
+    assert sum(v is not None for v in parts.values()) == 2 * c.n_layer
+    assert len(tiny_model(mlp='relu2').fused_parts()) == c.n_layer
+
+
+def windows_reference(model, tokens, T):
+    """Mean cross-entropy over every non-overlapping window tokens[iT : iT + T + 1], one window at a time."""
+    losses = []
+    with torch.no_grad():
+        for i in range((len(tokens) - 1) // T):
+            w = torch.from_numpy(tokens[i * T:i * T + T + 1].astype(np.int64))
+            logits, _ = model(w[None, :-1])
+            losses.append(F.cross_entropy(logits[0].double(), w[1:]))
+    return torch.stack(losses).mean().item()
+
+
+def test_whole_split_eval_covers_every_window_once():
+    # Reference: windows_reference, window by window (10 windows; the 4 tokens after them are too few for one
+    # more). Any batch size gives it; shared by 2 or 3 processes (no process group here, so each returns its
+    # own part), the parts add up to it: a window counted twice, a repeated filler batch given weight, or a
+    # shifted target would not.
+    T = 16
+    tokens = np.random.default_rng(0).integers(0, 32, 10 * T + 5).astype(np.uint16)
+    model = tiny_model().eval()
+    want = windows_reference(model, tokens, T)
+    for batch_size in (1, 3, 10, 64):
+        got = train.Windows(tokens, batch_size, T, 'cpu').mean_loss(model, nullcontext())
+        assert got == pytest.approx(want, rel=1e-6), batch_size
+    for world in (2, 3):
+        parts = [train.Windows(tokens, 3, T, 'cpu', rank, world).mean_loss(model, nullcontext()) for rank in range(world)]
+        assert sum(parts) == pytest.approx(want, rel=1e-6), world
+    # estimate_loss runs it in eval mode and hands the model back in train mode; eval_iters=0 means only val
+    cfg = SimpleNamespace(eval_iters=0, batch_size=4, block_size=T, seed=0)
+    splits = train.eval_splits(cfg, tokens, tokens, 'cpu', 0, 1)
+    assert list(splits) == ['val']
+    model = tiny_model(dropout=0.5)  # eval mode matters
+    losses = train.estimate_loss(model, splits, nullcontext())
+    assert model.training and losses == {'val': pytest.approx(windows_reference(model.eval(), tokens, T), rel=1e-6)}
+
+
+def test_get_lr_wsd_schedule():
+    # Reference: the warmup-stable-decay formula written out: the same warmup as cosine, learning_rate until
+    # the last wsd_decay_frac of lr_decay_iters, a straight line down to min_lr at lr_decay_iters, min_lr after.
+    cfg = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200,
+                  lr_schedule='wsd', wsd_decay_frac=0.2)
+    cosine = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
+    assert all(get_lr(it, cfg) == get_lr(it, cosine) for it in range(10))
+    for it in range(10, 89):
+        assert get_lr(it, cfg) == 1.0, it
+    for it in range(88, 111):
+        want = 1.0 - 0.9 * (it - 88) / 22
+        assert math.isclose(get_lr(it, cfg), want, rel_tol=1e-12, abs_tol=1e-12), it
+    assert get_lr(111, cfg) == get_lr(10 ** 6, cfg) == 0.1
+    # a decay fraction that reaches into the warmup starts the decay where the warmup ends
+    whole = opt_cfg(learning_rate=1.0, min_lr=0.0, warmup_iters=10, lr_decay_iters=110, lr_schedule='wsd',
+                    wsd_decay_frac=1.0)
+    assert get_lr(10, whole) == 1.0 and math.isclose(get_lr(60, whole), 0.5)
+
+
+@pytest.mark.parametrize('flag, key', [('--lr_schedule=linear', 'lr_schedule'), ('--wsd_decay_frac=0', 'wsd_decay_frac'),
+                                       ('--eval_iters=-1', 'eval_iters')])
+def test_schedule_and_eval_keys_are_checked(tmp_path, flag, key):
+    # Reference: the key named in a one-line error, before any file is written.
+    with pytest.raises(ConfigError, match=key):
+        train.main([flag, f'--out_dir={tmp_path}'])
+    assert not os.listdir(tmp_path)
+
+
+@pytest.fixture(scope='module')
+def speedrun_run(tmp_path_factory):
+    """A run with eval_iters=0 and the speedrun's model options, timed from outside the process."""
+    root = tmp_path_factory.mktemp('speedrun')
+    (root / 'input.txt').write_text(TEXT)
+    prepare(input=str(root / 'input.txt'), tokenizer='char', data_dir=str(root / 'data'))
+    flags = [f for f in TRAIN_FLAGS if not f.startswith(('--eval_iters', '--dropout'))]
+    before = time_module.time()
+    run_script('train.py', *flags, f'--data_dir={root / "data"}', f'--out_dir={root / "out"}', '--max_iters=8',
+               '--eval_iters=0', '--mlp=relu2', '--logit_softcap=15', '--zero_init_proj=True', '--lr_schedule=wsd')
+    return SimpleNamespace(root=root, out=root / 'out', wall=time_module.time() - before)
+
+
+def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
+    # Reference: the wall time measured around the process (time_s can only be shorter), the order of the
+    # lines, and the val loss recomputed here from the checkpoint over every window of val.bin.
+    lines = read_metrics(speedrun_run.out)
+    times = [r['time_s'] for r in lines]
+    assert all(0 < t < speedrun_run.wall for t in times) and times == sorted(times)
+    evals = [r for r in lines if 'val_loss' in r]
+    assert [r['iter'] for r in evals] == [0, 4, 8] and all(set(r) == {'iter', 'val_loss', 'time_s'} for r in evals)
+    ckpt = torch.load(speedrun_run.out / 'ckpt.pt', weights_only=True)
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    tokens = np.fromfile(speedrun_run.root / 'data' / 'val.bin', dtype=np.uint16)
+    assert evals[-1]['val_loss'] == pytest.approx(windows_reference(model.eval(), tokens, 16), rel=1e-5)
+
+
+def test_start_time_is_taken_before_the_heavy_imports():
+    # Reference: a clock read just before `import train` in a fresh interpreter: START_TIME must follow it
+    # within a small part of the import (which loads torch, a second or more).
+    code = ("import time; t = time.time(); import train; done = time.time(); "
+            "print(train.START_TIME - t, done - t)")
+    proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True, text=True, timeout=120,
+                          env=SUBPROCESS_ENV)
+    start, total = map(float, proc.stdout.split())
+    assert 0 <= start < 0.2 * total, (start, total)

@@ -339,7 +339,11 @@ class Muon(torch.optim.Optimizer):
         self.parts = parts or {}
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             lr, wd, mu = group['lr'], group['weight_decay'], group['momentum']
             jobs = collections.defaultdict(list)  # (part shape, device) -> [(param, part's rows, update part)]
@@ -360,6 +364,7 @@ class Muon(torch.optim.Optimizer):
                 ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], dtype)
                 for (rows, _), o in zip(parts, ortho):
                     rows.add_(o.to(rows.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
+        return loss
 
 
 def newton_schulz(G, steps, dtype=torch.float32):
