@@ -4,7 +4,7 @@ model, then FLOPs/MFU arithmetic and generation.
 
 Features, each findable by name below:
 - GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden) and shape checks in __post_init__.
-- RMSNorm (torch's own nn.RMSNorm), pre-norm residual blocks, no biases.
+- RMSNorm (torch's nn.RMSNorm, with a cheaper backward on the CPU), pre-norm residual blocks, no biases.
 - Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers.
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
@@ -78,6 +78,40 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
+# RMSNorm
+
+class RMSNorm(nn.RMSNorm):
+    """torch's nn.RMSNorm (same parameters, same state dict), with a hand-written backward for float32 and
+    float64 on the CPU: torch 2.13's CPU rms_norm is composite (pow, mean, add, rsqrt, mul, mul) and autograd
+    runs each op's backward, about twice the elementwise passes of the formula's gradient below."""
+
+    def forward(self, x):
+        if x.device.type != 'cpu' or x.dtype not in (torch.float32, torch.float64) or self.weight is None:
+            return super().forward(x)
+        return _RMSNormFunction.apply(x, self.weight, torch.finfo(x.dtype).eps if self.eps is None else self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x r w with r = (mean(x^2) + eps)^-1/2 over the last dim. Gradients: dw = sum(g x r) over the other dims,
+    dx = r g w - x r^3 <g w, x> / C."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        gw = grad * weight
+        dot = torch.linalg.vecdot(gw, x).unsqueeze(-1).mul_(rstd.pow(3) / x.size(-1))
+        dx = torch.addcmul(gw * rstd, x, dot, value=-1)
+        dw = (grad * x * rstd).flatten(0, -2).sum(0)
+        return dx, dw, None
+
+
+# ----------------------------------------------------------------------------------------------------
 # rotary position embedding (Su et al. 2021, https://arxiv.org/abs/2104.09864)
 
 def rope_cache(seq_len, head_dim, base):
@@ -109,8 +143,8 @@ class CausalSelfAttention(nn.Module):
         # one matmul for queries, keys and values: (n_head + 2 * n_kv_head) * head_dim outputs
         self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=False)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
-        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.dropout = config.dropout
 
     def forward(self, x, cos, sin, cache=None, layer=0):
@@ -157,9 +191,9 @@ class Block(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config)
-        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, cache=None, layer=0):
@@ -215,7 +249,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.norm = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one matrix embeds tokens and scores them

@@ -1005,3 +1005,31 @@ def test_start_time_is_taken_before_the_heavy_imports():
                           env=SUBPROCESS_ENV)
     start, total = map(float, proc.stdout.split())
     assert 0 <= start < 0.2 * total, (start, total)
+
+
+@pytest.mark.parametrize('shape', [(3, 5, 32), (2, 4, 3, 8)], ids=['stream', 'qk-norm heads'])
+def test_rmsnorm_gradients_match_the_formula(shape):
+    # Reference: autograd through rms_norm_ref (the formula, float64), gradients for the input and the gain, at
+    # scales where eps matters; float32 within rounding of torch's own nn.RMSNorm (its composite CPU path).
+    torch.manual_seed(0)
+    C = shape[-1]
+    norm = model_module.RMSNorm(C, eps=1e-2).double()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(C, dtype=torch.float64))
+    scales = torch.logspace(-2, 1, shape[0], dtype=torch.float64).view(-1, *[1] * (len(shape) - 1))
+    x = (torch.randn(shape, dtype=torch.float64) * scales).requires_grad_()
+    g = torch.randn(shape, dtype=torch.float64)
+    got = torch.autograd.grad(norm(x), (x, norm.weight), g)
+    want = torch.autograd.grad(rms_norm_ref(x, norm.weight, 1e-2), (x, norm.weight), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    ref, fast = nn.RMSNorm(C, eps=1e-5), model_module.RMSNorm(C, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(norm.weight.float())
+        fast.weight.copy_(norm.weight.float())
+    x32 = x.detach().float().requires_grad_()
+    outs = [m(x32) for m in (fast, ref)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    grads = [torch.autograd.grad(o, (x32, m.weight), g.float()) for o, m in zip(outs, (fast, ref))]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -69,6 +69,7 @@ data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prep
 init_from = 'scratch'           # 'scratch', or 'resume' from out_dir/ckpt.pt
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
 eval_iters = 50                 # batches per split in each evaluation; 0: the whole val split (see Windows)
+eval_at_start = True            # evaluate at iteration 0 of a scratch run (the untrained loss) too
 log_interval = 10               # iterations between log lines
 seed = 1337
 # model (model.GPTConfig)
@@ -805,7 +806,8 @@ def start_or_resume(r):
     os.makedirs(cfg.out_dir, exist_ok=True)
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    r.iter_num, r.best_val_loss, r.rng, r.last_eval = 0, math.inf, None, None
+    r.iter_num, r.best_val_loss, r.rng = 0, math.inf, None
+    r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
     if cfg.init_from != 'resume':
         if r.master and any(os.path.exists(p) for p in (r.ckpt_path, r.best_path, r.metrics_path)):
             keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
