@@ -93,6 +93,7 @@ gradient_accumulation_steps = 1
 # optimizer
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
 muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
+muon_ns_steps = 5               # muon: Newton-Schulz iterations per step (fewer: cheaper, rougher orthogonalization)
 optimizer_offload = False       # keep AdamW's state in CPU memory (torchao; one CUDA GPU)
 learning_rate = 6e-4            # muon uses it too: its updates are scaled to AdamW's RMS
 weight_decay = 0.1              # applied to matrices only, never to norms
@@ -404,7 +405,7 @@ def configure_optimizer(model, cfg, device_type, fused=None):
         hidden = [p for n, p in params if p.dim() == 2 and n.startswith('blocks.')]
         groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
         parts = model.fused_parts() if cfg.muon_split else {}
-        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, parts=parts)
+        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, ns_steps=cfg.muon_ns_steps, parts=parts)
         return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=fused or None))
     if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
         bnb = import_bitsandbytes(cfg.optimizer, device_type)
