@@ -751,8 +751,8 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-TRAIN_KEYS = {'iter', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb'}
-EVAL_KEYS = {'iter', 'train_loss', 'val_loss'}
+TRAIN_KEYS = {'iter', 'tokens', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb'}
+EVAL_KEYS = {'iter', 'tokens', 'train_loss', 'val_loss'}
 
 
 def test_metrics_have_the_documented_keys(runs):

@@ -31,8 +31,11 @@ keys and wrong types are errors). Features, each findable by name:
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
-- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl.
+- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl,
+  drawn into out_dir/metrics.png at each evaluation (plot_metrics, with plot.py) and, with wandb_log=True,
+  sent to Weights & Biases (start_wandb).
 """
+import importlib.util
 import json
 import math
 import os
@@ -59,12 +62,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # ----------------------------------------------------------------------------------------------------
 # defaults: every name here can be set from a config file or a --key=value flag
 # I/O
-out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best val loss), metrics.jsonl
+out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best val loss), metrics.jsonl and .png
 data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prepare_data.py
 init_from = 'scratch'           # 'scratch', or 'resume' from out_dir/ckpt.pt
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
 eval_iters = 50                 # batches per split in each evaluation
 log_interval = 10               # iterations between log lines
+wandb_log = False               # also send metrics.jsonl's records to Weights & Biases (process 0)
+wandb_project = 'gpt'
+wandb_run_name = ''             # '': wandb picks a name
 seed = 1337
 # model (model.GPTConfig)
 n_layer = 12
@@ -115,6 +121,9 @@ from model import GPT, GPTConfig  # noqa: E402
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
+# a drawing of metrics.png takes 0.3 to 1 s of CPU: evaluations seconds apart (small models, tests) would spend
+# their time drawing, so they redraw it at most this often
+PLOT_EVERY_S = 30
 CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
                    'batches', 'rng', 'evaluated')
 
@@ -563,6 +572,9 @@ def main(argv):
     if cfg.eval_iters < world:
         raise ConfigError(f"eval_iters={cfg.eval_iters} is the global number of eval batches, shared among the "
                           f"processes: give at least one to each of the {world}")
+    if cfg.wandb_log and importlib.util.find_spec('wandb') is None:  # found now, imported by start_wandb
+        raise ConfigError("wandb_log=True needs wandb: `pip install wandb` (WANDB_MODE=offline logs without a "
+                          "network), or set wandb_log=False")
     device = pick_device(cfg.device)
     if world > 1 and torch.device(device).type == 'cuda':
         device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per process, whatever index was asked for
@@ -573,7 +585,8 @@ def main(argv):
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
-        code = train_loop(r)
+        with r.wandb or nullcontext():  # a wandb run finishes when the loop ends, marked failed on an error
+            code = train_loop(r)
         if world > 1:
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
@@ -672,6 +685,7 @@ def setup(cfg, argv, device, rank, world):
             group.update(setting)
     del ckpt  # free its memory
     r.compiled, r.compile_note = compile_model(r)
+    r.wandb = start_wandb(r)
     return r
 
 
@@ -682,11 +696,13 @@ def start_or_resume(r):
     os.makedirs(cfg.out_dir, exist_ok=True)
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
+    r.plot_path, r.plotted_at = os.path.join(cfg.out_dir, 'metrics.png'), time.time()  # first drawn PLOT_EVERY_S in
     r.iter_num, r.best_val_loss, r.rng, r.last_eval = 0, math.inf, None, None
     if cfg.init_from != 'resume':
-        if r.master and any(os.path.exists(p) for p in (r.ckpt_path, r.best_path, r.metrics_path)):
+        run_files = (r.ckpt_path, r.best_path, r.metrics_path, r.plot_path)
+        if r.master and any(os.path.exists(p) for p in run_files):
             keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
-            for p in (r.ckpt_path, r.best_path, r.metrics_path):
+            for p in run_files:
                 if os.path.exists(p):
                     shutil.move(p, keep)
             say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to "
@@ -743,6 +759,29 @@ def compile_model(r):
         r.optimizer.zero_grad(set_to_none=True)
         r.model.train()
         return r.wrapped, 'FAILED, running eager (see the warning above)'
+
+
+def start_wandb(r):
+    """wandb_log=True: a Weights & Biases run in process 0, which gets the records that metrics.jsonl gets;
+    else None. wandb is imported here only (it is optional, and slow to import)."""
+    if not (r.cfg.wandb_log and r.master):
+        return None
+    import wandb
+    return wandb.init(project=r.cfg.wandb_project, name=r.cfg.wandb_run_name or None, config=vars(r.cfg))
+
+
+def plot_metrics(r, final=False):
+    """Redraw out_dir/metrics.png from metrics.jsonl in process 0: at an evaluation once the last drawing is
+    PLOT_EVERY_S old, and at the end (final). A plot that cannot be written is a warning: it is never worth
+    the run."""
+    if not r.master or not (final or time.time() - r.plotted_at >= PLOT_EVERY_S):
+        return
+    r.plotted_at = time.time()
+    try:
+        import plot  # and matplotlib (a second), at the first drawing rather than at start-up
+        plot.draw({r.cfg.out_dir: plot.read_metrics(r.cfg.out_dir)}, r.plot_path)
+    except Exception as e:
+        print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
 
 
 def report(r):
@@ -816,6 +855,8 @@ def train_loop(r):
         if r.master:
             with open(r.metrics_path, 'a') as f:
                 f.write(json.dumps(record) + '\n')
+        if r.wandb:  # process 0 only, like metrics.jsonl
+            r.wandb.log(record)
 
     launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
     resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
@@ -832,7 +873,9 @@ def train_loop(r):
             if r.iter_num % cfg.eval_interval == 0 and r.last_eval != r.iter_num:
                 losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
                 say(f"iter {r.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log({'iter': r.iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
+                log({'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg), 'train_loss': losses['train'],
+                     'val_loss': losses['val']})
+                plot_metrics(r)
                 r.last_eval = r.iter_num
                 improved = losses['val'] < r.best_val_loss
                 r.best_val_loss = min(r.best_val_loss, losses['val'])
@@ -869,8 +912,8 @@ def train_loop(r):
                     f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
-                log({'iter': r.iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
-                     'peak_mem_mb': mem})
+                log({'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg), 'loss': loss, 'lr': lr,
+                     'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': mem})
                 if not state_reported and not cfg.optimizer_offload:  # the state exists once a step has run
                     say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
                         f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
@@ -884,6 +927,7 @@ def train_loop(r):
                 return 128 + signum
         if saved_iter != r.iter_num:
             save(r, r.ckpt_path)
+        plot_metrics(r, final=True)
         say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
         return 0
 
