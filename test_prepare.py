@@ -519,3 +519,33 @@ def test_progress_reports_rates_and_totals(tmp_path, monkeypatch, capsys):
     size = sum(len(d.encode()) for d in documents())
     assert re.search(rf'encoded {size / 1e6:.1f} MB into {total:,} tokens in [\d.]+ s: [\d.]+ MB/s, [\d,]+ '
                      rf'tokens/s \(\d+ threads\)', out)
+
+
+def test_val_starts_at_a_document_end_on_the_target(tmp_path):
+    # ten 100-byte documents without newlines and val_fraction=0.2: the target, byte 800, is the end of the
+    # eighth document, so val is exactly the last two; the same with a text file per document
+    docs = [f'{i}' * 100 for i in range(10)]
+    text_files = ','.join(write(tmp_path / 'text' / f'{i}.txt', d) for i, d in enumerate(docs))
+    for name, inputs in (('records', write_records(tmp_path, docs, 'jsonl')), ('text', text_files)):
+        meta = prepare(inputs, 'char', str(tmp_path / name), 0.2)
+        meta, train, val = load(tmp_path / name)
+        _, decode = get_tokenizer(meta)
+        assert (decode(train.tolist()), decode(val.tolist())) == (''.join(docs[:8]), ''.join(docs[8:])), name
+
+
+def test_chunks_stream_a_bounded_amount_of_text(tmp_path, monkeypatch):
+    # reference: the input's bytes in order; no chunk holds much more than CHUNK_BYTES (a text file is
+    # read one block ahead; a record is never cut), and train's chunks all come before val's
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 300)
+    docs = documents()
+    text = random_text(5, 3000)
+    paths = [write(tmp_path / 'a.txt', text), write_records(tmp_path, docs, 'jsonl')]
+    sizes = [prepare_data.text_size(p, 'text') for p in paths]
+    split_at = prepare_data.find_split(paths, sizes, 'text', 0.1)
+    chunks = list(prepare_data.read_chunks(paths, 'text', split_at))
+    assert b''.join(data for _, chunk in chunks for data, _ in chunk) == text.encode() + ''.join(docs).encode()
+    longest_doc = max(len(d.encode()) for d in docs)
+    assert len(chunks) > 30 and all(sum(len(d) for d, _ in chunk) < 300 + max(600, longest_doc) for _, chunk in chunks)
+    assert [split for split, _ in chunks] == sorted(split for split, _ in chunks)
+    assert sum(len(d) for split, chunk in chunks if split == 0 for d, _ in chunk) == split_at
+    assert sum(end for _, chunk in chunks for _, end in chunk) == 1 + len(docs)  # one end per document
