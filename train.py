@@ -585,8 +585,12 @@ def main(argv):
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
-        with r.wandb or nullcontext():  # a wandb run finishes when the loop ends, marked failed on an error
+        code = 1  # what the wandb run records if the loop raises
+        try:
             code = train_loop(r)
+        finally:
+            if r.wandb:
+                r.wandb.finish(exit_code=code)
         if world > 1:
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
