@@ -60,7 +60,7 @@ def draw(runs, path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # see the module docstring
     from matplotlib.figure import Figure
     fig = Figure(figsize=(12, 8))
-    FigureCanvasAgg(fig)
+    FigureCanvasAgg(fig)  # Agg: renders to a file, no display needed
     (by_iter, by_tokens), (lr, speed) = axes = fig.subplots(2, 2)
     for i, (label, records) in enumerate(runs.items()):
         color, curves = f'C{i % 10}', series(records)
@@ -78,7 +78,7 @@ def draw(runs, path):
         ax.set_title(f'{title} vs {x}', fontsize=10)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
-    by_iter.legend(fontsize=8, loc='upper right')  # a fixed place: loc='best' costs more than the drawing
+    by_iter.legend(fontsize=8, loc='upper right')  # a fixed place: loc='best' searches every point
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
     tmp = f'{path}.tmp'
     try:

@@ -57,6 +57,7 @@ TOKENIZERS = ('char', 'gpt2', 'cl100k_base')
 CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
 OUTPUTS = ('train.bin', 'val.bin', 'meta.json')  # meta.json last: it marks the dataset complete
 JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.json.gz')  # one JSON object per line
+COMPRESSED = ('.gz', '.bz2', '.xz', '.zst', '.zip', '.7z')  # never read as text: their bytes are no text
 
 # -----------------------------------------------------------------------------
 # reading the input
@@ -202,6 +203,9 @@ def text_size(path, text_field):
     """The text bytes of one input: a text file's size, or the UTF-8 text of all its records (read to
     count them; this also checks every record before anything is written)."""
     if not is_records(path):
+        if path.lower().endswith(COMPRESSED):
+            raise ValueError(f"{path}: a compressed file, and not one prepare_data.py reads (.jsonl.gz, "
+                             f".json.gz): decompress it first")
         return os.path.getsize(path)
     return sum(len(data) for data, _ in pieces(path, text_field))
 

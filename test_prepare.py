@@ -473,6 +473,7 @@ BAD_RECORDS = {
                  r"bad\.parquet, row group 1, row 1 \(row 4 of the file\): 'text' is null"),
     'truncated gz': (truncated_gz, r'docs\.jsonl\.gz: unreadable after line \d+ \(EOFError'),
     'not parquet': (lambda t: write(t / 'bad.parquet', 'text,id\n'), r'bad\.parquet: not a readable Parquet file'),
+    'compressed text': (lambda t: write_records(t, ['a'], 'txt.gz'), r'docs\.txt\.gz: a compressed file, and not one'),
 }
 
 
