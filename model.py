@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass
@@ -189,6 +189,62 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# ----------------------------------------------------------------------------------------------------
+# the loss without the full logits. At batch 16 x 1024 and GPT-2's vocabulary the logits are 1.65 GB in bf16,
+# then 3.3 GB in fp32 for the softmax, then their gradient. Here each chunk of tokens takes the head's matmul,
+# its loss and its gradients at once, so one chunk's logits exist at a time and none are kept for backward:
+# the approach of Liger Kernel's fused linear cross-entropy (https://arxiv.org/abs/2410.10989), whose Triton
+# kernels need CUDA; this one is plain PyTorch, runs on any device, and torch.compile fuses its elementwise ops.
+
+LOSS_CHUNK_LOGITS = 2 ** 26  # logits per chunk at most: 1024 tokens of GPT-2's vocabulary, 206 MB in fp32
+
+
+def cross_entropy_chunk(x, weight, targets, label_smoothing):
+    """The summed cross-entropy of a chunk of tokens, x (N, C) against targets (N,), and its gradient with
+    respect to the chunk's logits (N, V). The one place where the loss meets the logits: a transform of them
+    (soft-capping, say) goes here, with its derivative applied to the gradient."""
+    logits = F.linear(x, weight)  # (N, V), in the autocast dtype
+    logp = logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 or fp64
+    eps, V = label_smoothing, logp.size(-1)  # the target distribution: 1 - eps on the target, eps / V everywhere
+    loss = -((1 - eps) * logp.gather(1, targets[:, None]).sum() + eps / V * logp.sum())
+    grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
+    grad -= eps / V
+    grad[torch.arange(len(targets), device=grad.device), targets] -= 1 - eps
+    return loss, grad.to(logits.dtype)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of the logits x @ weight.T of N tokens (x: (N, C)), chunk_tokens at a time.
+
+    The gradients are computed in the forward pass, chunk by chunk, and kept for backward, which only scales
+    them: grad_x (N, C) and grad_w (V, C, fp32) instead of the (N, V) logits, and the head's three matmuls run
+    once each, none recomputed. NOTE: what is kept is the gradient of the summed loss; the 1/N of the mean is
+    applied in backward, with the GradScaler's factor, so fp16 gradients do not underflow.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, label_smoothing, chunk_tokens, with_grad):
+        loss = torch.zeros((), device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        grad_x = torch.empty_like(x) if with_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if with_grad else None
+        for i in range(0, len(x), chunk_tokens):
+            x_c, y_c = x[i:i + chunk_tokens], targets[i:i + chunk_tokens]  # (n, C), (n,)
+            loss_c, grad_logits = cross_entropy_chunk(x_c, weight, y_c, label_smoothing)  # (), (n, V)
+            loss += loss_c
+            if with_grad:
+                grad_x[i:i + chunk_tokens] = grad_logits @ weight  # (n, C)
+                grad_w += grad_logits.t() @ x_c  # (V, C), summed in fp32 over the chunks
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.n_tokens, ctx.weight_dtype = len(x), weight.dtype
+        return loss / len(x)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_loss / ctx.n_tokens
+        return grad_x * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -205,6 +261,9 @@ class GPT(nn.Module):
         self.register_buffer('cos', cos, persistent=False)  # recomputed, never saved in checkpoints
         self.register_buffer('sin', sin, persistent=False)
         self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring
+        # tokens per chunk of the loss (ChunkedCrossEntropy): the largest power of two whose logits fit in
+        # LOSS_CHUNK_LOGITS; 0: the plain loss over all the logits at once (bench.py's baseline, the tests' reference)
+        self.loss_chunk_tokens = 2 ** (max(1, LOSS_CHUNK_LOGITS // config.vocab_size).bit_length() - 1)
         self.apply(self._init_weights)
         # GPT-2: the two projections that write into the residual stream get std / sqrt(2 * n_layer),
         # so the residual's variance stays about constant with depth.
@@ -220,7 +279,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # a tied matrix is counted once
 
     def forward(self, idx, targets=None, label_smoothing=0.0, cache=None):
-        """Logits (B, T, vocab_size) and the mean cross-entropy loss when targets are given, else None."""
+        """(logits, loss). Without targets: the logits (B, T, vocab_size) and None. With targets: None and the mean
+        cross-entropy, computed in chunks that never hold all the logits (with loss_chunk_tokens=0: the plain
+        loss, and the logits with it)."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -229,19 +290,24 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
-                context = (partial(create_selective_checkpoint_contexts, _selective_policy)
-                           if self.activation_checkpointing == 'selective' else noop_context_fn)
-                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=context)
+                # NOTE: no context_fn at all for 'full': torch.compile (2.13) rejects an explicit noop_context_fn
+                selective = dict(context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+                x = checkpoint(block, x, cos, sin, use_reentrant=False,
+                               **(selective if self.activation_checkpointing == 'selective' else {}))
             else:
                 x = block(x, cos, sin, cache, layer)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(self.norm(x))  # (B, T, vocab_size)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   label_smoothing=label_smoothing)
-        return logits, loss
+        x = self.norm(x)
+        if targets is not None and self.loss_chunk_tokens:
+            loss = ChunkedCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                             label_smoothing, self.loss_chunk_tokens, torch.is_grad_enabled())
+            return None, loss
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        if targets is None:
+            return logits, None
+        logits_32 = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 for the softmax (fp64 stays)
+        return logits, F.cross_entropy(logits_32.view(B * T, -1), targets.reshape(-1), label_smoothing=label_smoothing)
 
     # ------------------------------------------------------------------------------------------------
     # FLOPs and MFU
