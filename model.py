@@ -1,5 +1,5 @@
 """
-A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block,
+A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block, loss,
 model, then FLOPs/MFU arithmetic and generation.
 
 Features, each findable by name below:
@@ -12,6 +12,8 @@ Features, each findable by name below:
 - Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth.
 - Activation checkpointing (`model.activation_checkpointing`): 'full' recomputes each block in backward;
   'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
+- The loss without the full logits (ChunkedCrossEntropy, `model.loss_chunk_tokens`): the head's matmul,
+  cross-entropy and their gradients a chunk of tokens at a time; forward returns logits only without targets.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
   device's bf16 peak (A100, H100, H200; None for unknown devices).
 - generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().
@@ -299,15 +301,14 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos += T
         x = self.norm(x)
-        if targets is not None and self.loss_chunk_tokens:
-            loss = ChunkedCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                             label_smoothing, self.loss_chunk_tokens, torch.is_grad_enabled())
-            return None, loss
-        logits = self.lm_head(x)  # (B, T, vocab_size)
         if targets is None:
-            return logits, None
-        logits_32 = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 for the softmax (fp64 stays)
-        return logits, F.cross_entropy(logits_32.view(B * T, -1), targets.reshape(-1), label_smoothing=label_smoothing)
+            return self.lm_head(x), None  # (B, T, vocab_size)
+        if self.loss_chunk_tokens:
+            return None, ChunkedCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                                   label_smoothing, self.loss_chunk_tokens, torch.is_grad_enabled())
+        logits = self.lm_head(x)  # the plain loss: all the logits, (B, T, vocab_size), and in fp32 (fp64 stays)
+        logits_32 = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(B * T, -1)
+        return logits, F.cross_entropy(logits_32, targets.reshape(-1), label_smoothing=label_smoothing)
 
     # ------------------------------------------------------------------------------------------------
     # FLOPs and MFU
