@@ -28,7 +28,8 @@ before it. All rungs start from the same weights and train on the same batches (
 seeded random tokens), so a rung that breaks the math shows in the loss: the float32 rungs agree to ~1e-6.
 A step is one optimizer step of `gradient_accumulation_steps` micro-batches, as in train.py: the gpt2
 preset takes config/train_gpt2.py's 16 x 1024 x 32 = 524,288 tokens per step, so the optimizer, clipping
-and the per-step sync weigh what they weigh in that run (the CPU presets: one micro-batch per step).
+and the per-step sync weigh what they weigh in that run (tiny and small: one micro-batch per step, as
+config/train_small.py does; --gradient_accumulation_steps sets it for any preset).
 Each rung: `warmup` steps untimed, then the median of `repeats` device-synchronized timings of `steps`
 steps. MFU: model.estimate_mfu (float32 against the TF32 peak; n/a off A100/H100/H200). Peak memory:
 torch.cuda.max_memory_allocated over the timed steps (n/a on CPU). Activation memory (activation_mb, on
