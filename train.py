@@ -110,11 +110,12 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 # ----------------------------------------------------------------------------------------------------
 
 from configurator import configure, ConfigError  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, peak_flops  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
+PEAK_LABEL = {'bfloat16': 'bf16', 'float16': 'fp16', 'float32': 'TF32'}  # the peak MFU is stated against
 CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
                    'batches', 'rng', 'evaluated')
 
@@ -330,16 +331,88 @@ def import_bitsandbytes(name, device_type):
     return bnb
 
 
-def optimizer_state_bytes(optimizer):
-    """Bytes of optimizer state (moments, quantization maps, ...), each tensor counted once."""
-    seen = {}
+def state_tensors(optimizer):
+    """The optimizer's state tensors (moments, quantization maps, ...), each once. For torchao's
+    CPUOffloadOptimizer, those of the optimizers it holds: one on the GPU for the small tensors, one on the
+    CPU for each large one."""
+    opts = []
     for opt in getattr(optimizer, 'optimizers', [optimizer]):
-        for state in getattr(opt, 'state', {}).values():  # torchao's offload optimizer keeps its own
+        inner = [getattr(opt, 'd_opt', None), *getattr(opt, 'optim_dict', {}).values()]
+        opts += [o for o in inner if o is not None] or [opt]
+    seen = {}
+    for opt in opts:
+        for state in getattr(opt, 'state', {}).values():
             for t in state.values():
                 if torch.is_tensor(t):
                     t = t.to_local() if hasattr(t, 'to_local') else t
-                    seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
+                    seen[t.device, t.data_ptr()] = t
+    return list(seen.values())
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state (moments, quantization maps, ...), each tensor counted once."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(optimizer))
+
+
+def state_where(optimizer):
+    """Where the optimizer's state lives, as shares of its bytes; '' before the state exists."""
+    where = {}
+    for t in state_tensors(optimizer):
+        place = ('paged CUDA managed memory' if getattr(t, 'is_paged', False)  # bitsandbytes' paged buffers
+                 else 'GPU memory' if t.device.type == 'cuda' else f'{t.device.type.upper()} memory')
+        where[place] = where.get(place, 0) + t.numel() * t.element_size()
+    total = sum(where.values()) or 1
+    return ', '.join(f'{100 * n / total:.3g}% {place}' for place, n in sorted(where.items(), key=lambda kv: -kv[1]))
+
+
+def load_optimizer_state(r, state):
+    """Load a checkpoint's optimizer state into r.optimizer, then put back this run's settings (betas,
+    weight decay, ...) where they are read."""
+    optimizer, opts = r.optimizer, optimizers(r.optimizer)
+    settings = [{k: v for k, v in group.items() if k != 'params'} for group in optimizer.param_groups]
+    if r.cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+        optimizer.load_state_dict(state)
+        # NOTE: its param_groups lists the dicts that its on-GPU optimizer (the tensors under minimal_size:
+        # the norms) was built with, and load_state_dict gave that optimizer new ones: without this, the
+        # learning rate set each step would never reach those parameters again
+        if optimizer.d_opt is not None:
+            optimizer.d_param_groups = optimizer.d_opt.param_groups
+    else:
+        paged = [make_paged_state(opt) for opt in opts]
+        set_optimizer_state_dict(r.model, opts, state, options=FULL_STATE)
+        for opt, buffers in zip(opts, paged):
+            restore_paged_state(opt, buffers)
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)
+
+
+def make_paged_state(opt):
+    """For a bitsandbytes paged optimizer: create its state now, as its first step would (the large tensors
+    in paged CUDA managed memory), and return the paged buffers by (parameter, key); {} for the others.
+
+    NOTE: left to itself, set_optimizer_state_dict creates the state by a zero-gradient step, whose paged
+    buffers bitsandbytes never frees, and bitsandbytes' load_state_dict then puts the loaded state in
+    ordinary GPU memory: the resumed run would no longer be paged. With the state already there, that
+    step is not taken, and restore_paged_state puts the loaded values back into these buffers.
+    """
+    if not getattr(opt, 'is_paged', False):
+        return {}
+    for gindex, group in enumerate(opt.param_groups):
+        for pindex, p in enumerate(group['params']):
+            opt.init_state(group, p, gindex, pindex)
+    return {(p, key): t for p, state in opt.state.items() for key, t in state.items() if getattr(t, 'is_paged', False)}
+
+
+def restore_paged_state(opt, buffers):
+    """Copy the loaded state into the paged buffers of make_paged_state and put those back in the state."""
+    for (p, key), buf in buffers.items():
+        loaded = opt.state[p].get(key)
+        if loaded is None or loaded.shape != buf.shape or loaded.dtype != buf.dtype:
+            raise TrainError(f"the checkpoint's optimizer state does not fit paged_adamw8bit ({key}: "
+                             f"{None if loaded is None else (loaded.dtype, tuple(loaded.shape))}, expected "
+                             f"{(buf.dtype, tuple(buf.shape))}): resume with the optimizer the run started with")
+        buf.copy_(loaded)
+        opt.state[p][key] = buf
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -486,8 +559,8 @@ def rng_state():
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {'python': random.getstate(), 'numpy': [keys.tolist(), pos, has_gauss, gauss],
              'torch': torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state['cuda'] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's own GPU: a resume may see fewer GPUs than this run
+        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -497,7 +570,10 @@ def set_rng_state(state):
     np.random.set_state(('MT19937', np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state['torch'])
     if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
+        cuda, index = state['cuda'], torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # an older checkpoint: the states of all the GPUs it saw
+            cuda = cuda[index] if index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, index)
 
 
 def config_diff(old, new, keys):
@@ -663,13 +739,7 @@ def setup(cfg, argv, device, rank, world):
     # ---- optimizer, built after the weights are loaded (the CPU-offload optimizer copies them)
     r.optimizer = configure_optimizer(model, cfg, device_type)
     if ckpt is not None and ckpt['optimizer'] is not None:
-        settings = [{k: v for k, v in group.items() if k != 'params'} for group in r.optimizer.param_groups]
-        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
-            r.optimizer.load_state_dict(ckpt['optimizer'])
-        else:
-            set_optimizer_state_dict(model, optimizers(r.optimizer), ckpt['optimizer'], options=FULL_STATE)
-        for group, setting in zip(r.optimizer.param_groups, settings):  # this run's betas, weight decay, ...
-            group.update(setting)
+        load_optimizer_state(r, ckpt['optimizer'])
     del ckpt  # free its memory
     r.compiled, r.compile_note = compile_model(r)
     return r
@@ -720,10 +790,18 @@ def start_or_resume(r):
 
 def compile_model(r):
     """torch.compile the wrapped model and compile it now, on a real batch, so that a failure shows before
-    training: it is reported loudly and the run goes on eager. Returns (the model to call, a note)."""
+    training: it is reported loudly and the run goes on eager. Running out of memory is not a compile failure:
+    it stops the run with advice, and never falls back. Returns (the model to call, a note)."""
     cfg = r.cfg
     if not cfg.compile:
         return r.wrapped, 'off'
+    note = f'on (mode {cfg.compile_mode})'
+    if r.world > 1 and cfg.parallelism == 'ddp' and cfg.activation_checkpointing != 'none':
+        # NOTE: Dynamo's DDP optimizer splits the graph at DDP's buckets, to overlap the all-reduce with the
+        # backward, and cannot split checkpointed blocks (a higher-order op, pytorch/pytorch#104674): compile
+        # would fail and the run train eager. One graph instead: gradients are all-reduced after the backward.
+        torch._dynamo.config.optimize_ddp = False
+        note += ', one graph under DDP (optimize_ddp off for activation checkpointing: no all-reduce overlap)'
     compiled = torch.compile(r.wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     try:  # compilation happens at the first call
         with torch.random.fork_rng(devices=[r.device] if r.device_type == 'cuda' else []):
@@ -735,14 +813,32 @@ def compile_model(r):
                 compiled(x, y)
             compiled.train()
         r.optimizer.zero_grad(set_to_none=True)
-        return compiled, f'on (mode {cfg.compile_mode})'
+        return compiled, note
     except Exception as e:
+        oom = out_of_memory(e)
+        if oom is not None:
+            first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
+            raise TrainError(f"out of memory in the first (compiling) step on {r.device} ({first[:200]}): lower "
+                             f"batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens per "
+                             f"step), or set activation_checkpointing=selective or full; `python bench.py --mode=fit` "
+                             f"finds the largest batch_size that fits") from None
         bar = '!' * 100
         print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
               f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
         r.optimizer.zero_grad(set_to_none=True)
         r.model.train()
         return r.wrapped, 'FAILED, running eager (see the warning above)'
+
+
+def out_of_memory(e):
+    """The out-of-memory error that e is or was raised from (torch.compile wraps errors), else None."""
+    for _ in range(20):  # the chain of causes, never a cycle
+        if e is None:
+            return None
+        if isinstance(e, torch.OutOfMemoryError) or 'out of memory' in str(e).lower():
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def report(r):
@@ -761,7 +857,20 @@ def report(r):
     say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
     fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in optimizers(r.optimizer))
     say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
-        + (', state and step on the CPU (torchao)' if cfg.optimizer_offload else ''))
+        + (', stepped on the CPU (torchao)' if cfg.optimizer_offload else ''))
+    where = state_where(r.optimizer)  # a resumed run's state is there already, a new run's comes at its first step
+    if not where:
+        where = ('paged CUDA managed memory for the large tensors (bitsandbytes), GPU memory for the rest'
+                 if cfg.optimizer == 'paged_adamw8bit' else 'CPU memory (torchao), GPU memory for the smallest tensors'
+                 if cfg.optimizer_offload else 'GPU memory' if cuda else f'{r.device_type.upper()} memory')
+        where += ', from the first step'
+    say(f"  optimizer state   {where}")
+    peak, fp8_peak = peak_flops(r.device, r.dtype), peak_flops(r.device, 'float8')
+    gpu = torch.cuda.get_device_name(r.device) if cuda else r.device_type
+    mfu = f"of the {PEAK_LABEL[r.dtype]} peak, {peak / 1e12:,.1f} TFLOP/s ({gpu})" if peak else f"n/a ({gpu})"
+    if cfg.fp8 and peak and fp8_peak:  # torchtitan's convention: FP8 and bf16 runs on one scale
+        mfu += f"; FP8 runs too, not of the FP8 peak ({fp8_peak / 1e12:,.1f} TFLOP/s)"
+    say(f"  MFU               {mfu}")
     say(f"  fp8               {r.fp8_note}")
     say(f"  parallelism       {r.parallel_note}")
     say(f"  compile           {r.compile_note}")
@@ -866,14 +975,16 @@ def train_loop(r):
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
-                    f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
+                    f"{tokens_per_sec:,.0f} tok/s, "
+                    + (f"mfu {100 * mfu:.1f}% of {PEAK_LABEL[r.dtype]} peak, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
                 log({'iter': r.iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
                      'peak_mem_mb': mem})
-                if not state_reported and not cfg.optimizer_offload:  # the state exists once a step has run
+                if not state_reported:  # the state exists once a step has run
                     say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
-                        f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
+                        f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + '), '
+                        + state_where(r.optimizer))
                     state_reported = True
                 t0, t0_iter = time.time(), r.iter_num
             if agree(bool(stop), r.device, every=False):  # a signal to any process stops them all, at one step
