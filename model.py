@@ -324,15 +324,16 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
 # which is how PyTorch's and torchao's float8 matmuls run; None: the card has no FP8. The datasheets' headline
 # figures are "with sparsity", twice the dense ones given here. float32 matmuls run as TF32 at half the bf16
 # peak (train.py turns TF32 on).
-_A100 = (312e12, None)            # A100 datasheet: BF16 312 (624 sparse), SXM4 and PCIe, 40 and 80 GB
-_H100_SXM = (989.5e12, 1979e12)   # H100 datasheet, SXM: BF16 1,979, FP8 3,958 sparse; H200 SXM, H800 SXM,
-                                  # GH200 datasheets: the same
-_H100_PCIE = (756.5e12, 1513e12)  # H100 PCIe datasheet (2022): BF16 1,513, FP8 3,026 sparse; H800 PCIe the same
-_H100_NVL = (835.5e12, 1670.5e12)  # H100 datasheet (2024), H100 NVL: BF16 1,671, FP8 3,341 sparse; H200 NVL
-                                   # (the PCIe H200) datasheet: the same
-# Ada, data center: L40S datasheet: BF16 362.05, FP8 733 dense; L40: BF16 181.05, FP8 362 dense; L4: BF16 242,
-# FP8 485 sparse. GeForce RTX 4090, NVIDIA Ada GPU architecture whitepaper, appendix A: BF16 (and FP16) with FP32
-# accumulate 165.2 dense (330.3 with FP16 accumulate, which PyTorch does not use), FP8 with FP32 accumulate 330.3
+_A100 = (312e12, None)             # A100 datasheet: BF16 312 (624 sparse), SXM4 and PCIe, 40 and 80 GB
+_H100_SXM = (989.5e12, 1979e12)    # H100 datasheet, SXM: BF16 1,979, FP8 3,958 sparse; the same in the H200
+                                   # (SXM), H800 (SXM) and GH200 datasheets
+_H100_PCIE = (756.5e12, 1513e12)   # H100 PCIe datasheet (2022): BF16 1,513, FP8 3,026 sparse; H800 PCIe the same
+_H100_NVL = (835.5e12, 1670.5e12)  # H100 datasheet (2024), H100 NVL: BF16 1,671, FP8 3,341 sparse; the same in
+                                   # the H200 datasheet for the H200 NVL (its PCIe card)
+# Ada: L40S datasheet: BF16 362.05, FP8 733 dense; L40 datasheet: BF16 181.05, FP8 362 dense; L4 datasheet:
+# BF16 242, FP8 485 sparse. GeForce RTX 4090: NVIDIA Ada GPU architecture whitepaper, appendix A: BF16 (and FP16)
+# with FP32 accumulate 165.2 dense (FP16 with FP16 accumulate 330.3, which PyTorch does not use; 82.6 is TF32),
+# FP8 with FP32 accumulate 330.3 dense
 PEAK_FLOPS = {
     # keys: torch.cuda.get_device_name() without its 'NVIDIA ' prefix, matched whole, so that every card gets
     # its own peak or none (no MFU rather than a wrong one: an unlisted name, a MIG slice, a laptop part)

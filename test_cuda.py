@@ -15,8 +15,9 @@ reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload, FP8 tensor
 compile, activation checkpointing full and selective under compile) and resumed from its iteration-12
 checkpoint: the loss falls, the resumed run repeats the uninterrupted one, compile made no graph break,
 peak memory is reported. Also: one process under torchrun matches the plain run, 2-process DDP with compile
-and activation checkpointing stays compiled, sample.py samples from an FP8-trained checkpoint. About 8
-minutes on one H100; it prints a summary table and, when $OUT is set, writes it to $OUT/test_cuda_summary.md.
+and activation checkpointing stays compiled, sample.py samples from an FP8-trained checkpoint. Sized to take
+under about 8 minutes on one H100 (not measured yet); it prints a summary table and, when $OUT is set, writes
+it to $OUT/test_cuda_summary.md.
 
     python -m pytest -q test_cuda.py
 """
@@ -215,7 +216,8 @@ def test_run_written_with_8_gpus_resumes_with_1(monkeypatch, tmp_path):
     # resumed run sees one GPU and must restore that GPU from the saved state of cuda:2, and finish.
     data = write_data(tmp_path / 'data')
     argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
-            '--batch_size=4', '--eval_iters=2', '--eval_interval=4', f'--data_dir={data}', f'--out_dir={tmp_path / "o"}']
+            '--batch_size=4', '--eval_iters=2', '--eval_interval=4', f'--data_dir={data}',
+            f'--out_dir={tmp_path / "o"}']
     saver = FakeCudaRng(monkeypatch, count=8, current=2)
     assert main_capture(argv + ['--max_iters=4'])[0] == 0
     saved = train.load_checkpoint(str(tmp_path / 'o' / 'ckpt.pt'))['rng'][0]['cuda']
@@ -302,7 +304,8 @@ class OffloadLike(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        return {'offloaded': [opt.state_dict() for opt in self.optim_dict.values()], 'on-device': self.d_opt.state_dict()}
+        return {'offloaded': [opt.state_dict() for opt in self.optim_dict.values()],
+                'on-device': self.d_opt.state_dict()}
 
     def load_state_dict(self, state_dict):
         for opt, part in zip(self.optim_dict.values(), state_dict['offloaded']):
@@ -404,9 +407,9 @@ def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', c
     model.activation_checkpointing = checkpointing
     x, y = batches(1)[0].next()
     r = SimpleNamespace(cfg=opt_cfg(compile=True, activation_checkpointing=checkpointing, parallelism=parallelism),
-                        world=world, model=model, wrapped=model, optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
-                        eval_splits={'train': SimpleNamespace(next_batch=(x, y))}, autocast=contextlib.nullcontext(),
-                        device='cpu', device_type='cpu')
+                        world=world, model=model, wrapped=model, device='cpu', device_type='cpu',
+                        optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
+                        eval_splits={'train': SimpleNamespace(next_batch=(x, y))}, autocast=contextlib.nullcontext())
     # NOTE: Dynamo's config, not monkeypatch: monkeypatch's undo would delete the key from Dynamo's config
     with torch._dynamo.config.patch(optimize_ddp=True):  # the default, restored after
         return seen, train.compile_model(r)
@@ -525,7 +528,8 @@ def test_mfu_is_logged_with_the_peak_it_is_against(tmp_path, monkeypatch):
     # Reference: the metrics line's own tokens/s and the model's FLOPs per token over a peak given here (the
     # CPU has none, so one is faked for float32); the log line and the report name the TF32 peak.
     peak = 2e12
-    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': peak if dtype == 'float32' else None)
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': peak if dtype == 'float32'
+                        else None)
     monkeypatch.setattr(train, 'peak_flops', model_module.peak_flops)
     data = write_data(tmp_path / 'data')
     code, out = main_capture(['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16',
@@ -588,11 +592,12 @@ def summary(request):
     lines = [f"test_cuda.py on {torch.cuda.get_device_name()}, torch {torch.__version__}", '',
              '| branch | loss first -> last | resumed vs straight (max rel. diff of losses) | peak MB | seconds |',
              '|---|---|---|---|---|']
-    lines += [f"| {r['branch']} | {r['first']:.4f} -> {r['last']:.4f} | {r['diff']} | {r['peak']} | {r['seconds']:.0f} |"
-              for r in SUMMARY]
+    lines += [f"| {r['branch']} | {r['first']:.4f} -> {r['last']:.4f} | {r['diff']} | {r['peak']} | "
+              f"{r['seconds']:.0f} |" for r in SUMMARY]
     text = '\n'.join(lines) + '\n'
-    reporter = request.config.pluginmanager.getplugin('terminalreporter')
-    (reporter.write_line if reporter else print)('\n' + text)
+    capture = request.config.pluginmanager.getplugin('capturemanager')  # shown even when the tests pass
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print('\n' + text)
     if os.environ.get('OUT'):
         with open(os.path.join(os.environ['OUT'], 'test_cuda_summary.md'), 'w') as f:
             f.write(text)
@@ -647,7 +652,7 @@ def losses(metrics, after=0):
 def test_branch_trains_and_resumes(branch, tmp_path, monkeypatch, gpu_data, deterministic_cuda):
     # Reference: the uninterrupted run. The resumed run's losses from iteration 13 on must equal its losses
     # (RESUME_TOL); the loss must fall; compile must be on with no graph break; peak memory and MFU logged.
-    flags, needs, report = BRANCHES[branch]
+    flags, needs, says = BRANCHES[branch]
     for module in needs:
         pytest.importorskip(module, reason=f'{branch} needs {module}')
     (out_a, breaks_a, sec_a, m_a), (out_b, breaks_b, sec_b, m_b) = straight_and_resumed(tmp_path, monkeypatch,
@@ -659,7 +664,8 @@ def test_branch_trains_and_resumes(branch, tmp_path, monkeypatch, gpu_data, dete
     SUMMARY.append(dict(branch=branch, first=train_a[0]['loss'], last=train_a[-1]['loss'], peak=f'{peak:,.0f}',
                         diff='exact' if diff == 0 else f'{diff:.2e}', seconds=sec_a + sec_b))
 
-    assert [r['iter'] for r in train_a] == list(range(1, 25))
+    iters = [r['iter'] for r in train_a]  # fp16: the GradScaler's first steps may overflow, skipped, unlogged
+    assert iters == sorted(set(iters)) and iters[-1] == 24 and len(iters) >= (20 if '--dtype=float16' in flags else 24)
     assert all(math.isfinite(r['loss']) for r in train_a)
     assert train_a[-1]['loss'] < 0.5 * train_a[0]['loss'], [r['loss'] for r in train_a]
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
@@ -670,7 +676,7 @@ def test_branch_trains_and_resumes(branch, tmp_path, monkeypatch, gpu_data, dete
     if model_module.peak_flops('cuda', 'bfloat16'):
         assert all(r['mfu'] is not None for r in train_a)
         assert ('of fp16 peak' if '--dtype=float16' in flags else 'of bf16 peak') in out_a
-    for words in report:
+    for words in says:
         assert words in out_a, words
     if '--compile=True' in flags:
         for out, breaks in ((out_a, breaks_a), (out_b, breaks_b)):

@@ -22,8 +22,8 @@ keys and wrong types are errors). Features, each findable by name:
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices; torchao's CPU-offload AdamW.
   get_lr: warmup + cosine. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
-- activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails),
-  periodic eval.
+- activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails, a stop
+  with advice if it runs out of memory), periodic eval.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
   loaded with weights_only=True; exact resume including data and RNG state; a scratch run moves an
   earlier run's files aside instead of overwriting them.
@@ -31,7 +31,8 @@ keys and wrong types are errors). Features, each findable by name:
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
-- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl.
+- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl;
+  where the optimizer state lives (state_where: GPU, CPU or paged managed memory).
 """
 import json
 import math
@@ -869,7 +870,7 @@ def report(r):
     gpu = torch.cuda.get_device_name(r.device) if cuda else r.device_type
     mfu = f"of the {PEAK_LABEL[r.dtype]} peak, {peak / 1e12:,.1f} TFLOP/s ({gpu})" if peak else f"n/a ({gpu})"
     if cfg.fp8 and peak and fp8_peak:  # torchtitan's convention: FP8 and bf16 runs on one scale
-        mfu += f"; FP8 runs too, not of the FP8 peak ({fp8_peak / 1e12:,.1f} TFLOP/s)"
+        mfu += f"; this FP8 run's too, not of the FP8 peak ({fp8_peak / 1e12:,.1f} TFLOP/s)"
     say(f"  MFU               {mfu}")
     say(f"  fp8               {r.fp8_note}")
     say(f"  parallelism       {r.parallel_note}")
