@@ -1188,24 +1188,28 @@ def test_bad_value_from_the_command_line(data, tmp_path):
         train.main(args(data, tmp_path / 'out', '--min_lr=0.5'))
 
 
-@pytest.mark.parametrize('flag', ['--grad_clip=0', '--warmup_iters=0', '--dropout=0', '--label_smoothing=0',
-                                  '--weight_decay=0', '--beta1=0', '--min_lr=0', '--min_lr=1e-2', '--seed=0',
-                                  '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1',
-                                  '--max_iters=0'])
-def test_valid_edge_values_still_run(data, tmp_path, flag):
+EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run
+    'zeros': ['--grad_clip=0', '--dropout=0', '--label_smoothing=0', '--weight_decay=0', '--beta1=0', '--beta2=0',
+              '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1'],
+    'warmup_iters=0': ['--warmup_iters=0'], 'min_lr=learning_rate': ['--min_lr=1e-2'], 'max_iters=0': ['--max_iters=0'],
+}
+
+
+@pytest.mark.parametrize('edge', EDGES)
+def test_valid_edge_values_still_run(data, tmp_path, edge):
     # Reference: the schedule and the loop by hand: 3 steps, evaluations at 0 and 2 and the final 3 saved;
     # warmup_iters=0 starts at learning_rate, min_lr=learning_rate stays there; max_iters=0 only evaluates.
     out = tmp_path / 'out'
-    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=3', flag)) == 0
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=3', *EDGES[edge])) == 0
     lines, ckpt = read_metrics(out), load(out / 'ckpt.pt')
-    if flag == '--max_iters=0':
+    if edge == 'max_iters=0':
         assert ckpt['iter_num'] == 0 and [r['iter'] for r in lines] == [0]
         return
     assert ckpt['iter_num'] == 3 and all_finite(ckpt['model'])
     assert [r['iter'] for r in lines if 'loss' in r] == [1, 2, 3]
     assert all(math.isfinite(r['loss']) for r in lines if 'loss' in r)
     lrs = [r['lr'] for r in lines if 'lr' in r]
-    if flag == '--warmup_iters=0':
+    if edge == 'warmup_iters=0':
         assert lrs[0] == pytest.approx(1e-2, rel=1e-12)
-    if flag == '--min_lr=1e-2':  # warmup over 2 iterations, then constant
+    if edge == 'min_lr=learning_rate':  # warmup over 2 iterations, then constant
         assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2], rel=1e-12)
