@@ -1182,7 +1182,7 @@ def test_bad_value_is_an_error_naming_the_key_before_anything_is_read(data, tmp_
 
 def test_bad_value_from_the_command_line(data, tmp_path):
     # The same through the flags: 1e999 is how a literal reaches inf; min_lr above learning_rate names both.
-    with pytest.raises(ConfigError, match=r'^learning_rate=inf: must be greater than 0'):
+    with pytest.raises(ConfigError, match=r'^learning_rate=inf: must be finite and greater than 0'):
         train.main(args(data, tmp_path / 'out', '--learning_rate=1e999'))
     with pytest.raises(ConfigError, match=r'^min_lr=0\.5: .*learning_rate \(0\.01\)'):
         train.main(args(data, tmp_path / 'out', '--min_lr=0.5'))

@@ -592,8 +592,10 @@ def check_config(cfg):
     for keys, ok, what in RANGES:
         for key in keys:
             value = getattr(cfg, key)
-            if isinstance(value, float) and not math.isfinite(value) or not ok(value, cfg):
-                raise ConfigError(f"{key}={value!r}: must be {what.format(**vars(cfg))}")
+            finite = not isinstance(value, float) or math.isfinite(value)
+            if not (finite and ok(value, cfg)):
+                raise ConfigError(f"{key}={value!r}: must be " + ('' if finite else 'finite and ')
+                                  + what.format(**vars(cfg)))
     if cfg.device == 'auto':
         return
     try:
