@@ -323,6 +323,19 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
     return meta
 
 
+def vocabulary(meta):
+    """What gives a dataset's token ids their meaning: two datasets with equal vocabularies can share a
+    model (resume, finetune on new text), two with different ones cannot, even when their sizes match.
+    Char level: the characters, in id order; tiktoken: the encoding's name; a Hugging Face tokenizer
+    ('hf...'): the sha256 of its tokenizer.json, whatever path it was loaded from."""
+    name = meta['tokenizer']
+    if name == 'char':
+        return ('char', meta.get('chars'))
+    if name.startswith('hf'):
+        return ('hf', meta.get('tokenizer_sha256'))
+    return ('tiktoken', name)
+
+
 def main(argv=None):
     try:
         prepare(**configure(DEFAULTS, sys.argv[1:] if argv is None else argv))

@@ -11,7 +11,7 @@ branches.
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --parallelism=fsdp
 
 Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
-keys and wrong types are errors). Features, each findable by name:
+keys and wrong types are errors; check_config: values out of range are errors). Features, each findable by name:
 - device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
   has it, else fp16 with a GradScaler; float32 on CPU; TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
@@ -25,8 +25,10 @@ keys and wrong types are errors). Features, each findable by name:
 - activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails, a stop
   with advice if it runs out of memory), periodic eval.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state; a scratch run moves an
-  earlier run's files aside instead of overwriting them.
+  loaded with weights_only=True; exact resume including data and RNG state, refused on data with another
+  vocabulary (vocabulary_mismatch); a scratch run moves an earlier run's files aside instead of overwriting them.
+- file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
+  every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
@@ -46,7 +48,7 @@ import signal
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from types import SimpleNamespace
 
 import numpy as np
@@ -112,6 +114,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 
 from configurator import configure, ConfigError  # noqa: E402
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
+from prepare_data import vocabulary  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
@@ -151,11 +154,26 @@ def pick_dtype(name, device_type):
 # ----------------------------------------------------------------------------------------------------
 # data
 
+def os_reason(e, path=None):
+    """An OSError in words ('Permission denied'), with the file it concerns where that is not `path`."""
+    reason = e.strerror or str(e) or type(e).__name__
+    return reason if e.filename in (None, path) else f"{reason}: {e.filename}"
+
+
+def check_readable(path, missing):
+    """Open path and read a byte, so that a file that is missing or cannot be read is an error now, naming it."""
+    try:
+        with open(path, 'rb') as f:
+            f.read(1)
+    except FileNotFoundError:
+        raise TrainError(f"{path} not found: {missing}") from None
+    except OSError as e:  # a data_dir that is a file, a file without read permission, an I/O error
+        raise TrainError(f"{path} cannot be read: {os_reason(e, path)}") from None
+
+
 def read_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
-    if not os.path.exists(path):
-        raise TrainError(f"{path} not found: prepare the data first, e.g. "
-                         f"`python prepare_data.py --data_dir={data_dir}`")
+    check_readable(path, f"prepare the data first, e.g. `python prepare_data.py --data_dir={data_dir}`")
     try:
         with open(path) as f:
             meta = json.load(f)
@@ -170,8 +188,7 @@ def read_meta(data_dir):
 def load_tokens(data_dir, split, meta, block_size, vocab_size):
     """Memory-map data_dir/{split}.bin after checking it against meta.json and the model."""
     path = os.path.join(data_dir, f'{split}.bin')
-    if not os.path.exists(path):
-        raise TrainError(f"{path} not found: run `python prepare_data.py --data_dir={data_dir}` again")
+    check_readable(path, f"run `python prepare_data.py --data_dir={data_dir}` again")
     itemsize = np.dtype(meta['dtype']).itemsize
     size = os.path.getsize(path)
     expected = meta.get(f'{split}_tokens')
@@ -618,20 +635,63 @@ def stop_on_signals():
 
 
 # ----------------------------------------------------------------------------------------------------
+# config checks: every value in its range, named when it is not, before anything is read or built
+
+CHOICES = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full', 'selective'),
+           'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
+           'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp'),
+           'dtype': ('auto', 'float32', 'bfloat16', 'float16')}
+# (keys, test(value, cfg), what the value must be). Every float must also be finite: an inf can only come
+# from an overflowing literal (1e999), and each key has a finite way to say what inf would (grad_clip=0).
+RANGES = [
+    (('batch_size', 'block_size', 'gradient_accumulation_steps', 'n_layer', 'n_head', 'n_embd', 'eval_interval',
+      'eval_iters', 'log_interval', 'max_nonfinite_steps'), lambda v, c: v >= 1, 'at least 1'),
+    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size'), lambda v, c: v >= 0,
+     'at least 0 (see its comment at the top of train.py for what 0 means)'),
+    (('learning_rate',), lambda v, c: v > 0, 'greater than 0'),
+    (('weight_decay', 'grad_clip'), lambda v, c: v >= 0, 'at least 0 (grad_clip=0 disables clipping)'),
+    # min_lr above learning_rate would turn the cosine "decay" into a rise after warmup: never what was meant
+    (('min_lr',), lambda v, c: 0 <= v <= c.learning_rate,
+     'between 0 and learning_rate ({learning_rate}); min_lr = learning_rate keeps the rate constant after warmup'),
+    (('dropout', 'label_smoothing', 'beta1', 'beta2'), lambda v, c: 0 <= v < 1, 'at least 0 and less than 1'),
+    (('rope_base',), lambda v, c: v > 1, 'greater than 1 (the rotation frequencies are base^(-2i/d))'),
+    (('seed',), lambda v, c: 0 <= v < 2**63, 'between 0 and 2**63 - 1'),
+    (('out_dir', 'data_dir'), lambda v, c: v != '', 'a directory, not empty'),
+]
+
+
+def check_config(cfg):
+    """Raise a ConfigError naming the first setting that is not one of its CHOICES or outside its RANGES, or a
+    device this machine does not have. Cross-checks that need the data or the model come later, in setup."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
+    for keys, ok, what in RANGES:
+        for key in keys:
+            value = getattr(cfg, key)
+            finite = not isinstance(value, float) or math.isfinite(value)
+            if not (finite and ok(value, cfg)):
+                raise ConfigError(f"{key}={value!r}: must be " + ('' if finite else 'finite and ')
+                                  + what.format(**vars(cfg)))
+    if cfg.device == 'auto':
+        return
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda', 'mps'):
+        raise ConfigError(f"device={cfg.device!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    if device.type == 'cuda' and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device={cfg.device!r}, but this machine has {torch.cuda.device_count()} CUDA devices "
+                          f"that torch can use")
+    if device.type == 'mps' and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={cfg.device!r}, but MPS is not available here")
+
 
 def main(argv):
     """Check the config, join the other processes under torchrun, run, leave."""
     cfg = SimpleNamespace(**configure(DEFAULTS, argv))
-    checks = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full', 'selective'),
-              'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
-              'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp')}
-    for key, allowed in checks.items():
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
-    for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval',
-                'eval_iters', 'log_interval', 'max_nonfinite_steps'):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    check_config(cfg)
     # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain run is process 0 of 1
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     if cfg.gradient_accumulation_steps % world:
@@ -691,6 +751,7 @@ def setup(cfg, argv, device, rank, world):
     r.eval_splits = {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters,
                                     rank, world)
                      for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
+    on_master(r, lambda: probe_out_dir(cfg.out_dir))  # now, not at the first checkpoint, after training
 
     # ---- model
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
@@ -750,23 +811,20 @@ def start_or_resume(r):
     """Resume from out_dir/ckpt.pt (model, scaler, data and counters; returns the checkpoint for the
     optimizer), or start afresh, moving an earlier run's files aside. Sets the run's paths and counters."""
     cfg, say = r.cfg, r.say
-    os.makedirs(cfg.out_dir, exist_ok=True)
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    r.iter_num, r.best_val_loss, r.rng, r.last_eval = 0, math.inf, None, None
+    r.iter_num, r.best_val_loss, r.rng, r.last_eval, r.metrics_lost = 0, math.inf, None, None, 0
     if cfg.init_from != 'resume':
-        if r.master and any(os.path.exists(p) for p in (r.ckpt_path, r.best_path, r.metrics_path)):
-            keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
-            for p in (r.ckpt_path, r.best_path, r.metrics_path):
-                if os.path.exists(p):
-                    shutil.move(p, keep)
-            say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to "
-                f"continue it)")
+        on_master(r, lambda: move_earlier_run(r))
         return None
     ckpt = load_checkpoint(r.ckpt_path, 'cpu')
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
         raise TrainError(f"{r.ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
+    mismatch = vocabulary_mismatch(ckpt['meta'], r.meta)
+    if mismatch:  # same-sized vocabularies pass the shape check, and every id would mean another token
+        raise TrainError(f"{r.ckpt_path} was trained on another vocabulary than {cfg.data_dir}: {mismatch}. Resume "
+                         f"or finetune only on data prepared with the checkpoint's tokenizer and vocabulary")
     shape_diff = config_diff(ckpt['model_args'], r.model_config.to_dict(), SHAPE_KEYS)
     if shape_diff:
         raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
@@ -781,12 +839,111 @@ def start_or_resume(r):
     r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
-    if r.master and os.path.exists(r.metrics_path):  # drop lines logged after the checkpoint: they are replayed
-        with open(r.metrics_path) as f:
-            lines = [ln for ln in f if json.loads(ln)['iter'] <= r.iter_num]
-        with open(r.metrics_path, 'w') as f:
-            f.writelines(lines)
+    on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
+
+
+def vocabulary_mismatch(ckpt_meta, data_meta):
+    """None if a checkpoint's vocabulary (prepare_data.vocabulary) is the data's, else what differs, briefly."""
+    if vocabulary(ckpt_meta) == vocabulary(data_meta):
+        return None
+    old, new = vocabulary(ckpt_meta)[1], vocabulary(data_meta)[1]
+    if ckpt_meta['tokenizer'] == data_meta['tokenizer'] == 'char' and old and new:
+        a, b = set(old), set(new)
+        only = lambda s: repr(''.join(sorted(s))[:40]) + ('...' if len(s) > 40 else '') if s else 'none'  # noqa: E731
+        return (f"the checkpoint has {len(old)} characters, the data {len(new)}; only in the checkpoint's: "
+                f"{only(a - b)}; only in the data's: {only(b - a)}" if a != b else
+                f"the same {len(old)} characters, in another order")
+    return f"the checkpoint's is {describe_vocabulary(ckpt_meta)}, the data's {describe_vocabulary(data_meta)}"
+
+
+def describe_vocabulary(meta):
+    kind, value = vocabulary(meta)
+    if kind == 'char':
+        return f"char level ({len(value or '')} characters)"
+    if kind == 'hf':
+        return f"{meta['tokenizer']} (tokenizer.json sha256 {str(value)[:12]}...)"
+    return f"tiktoken {value}"
+
+
+def probe_out_dir(out_dir):
+    """Create out_dir, then create, write a byte to, fsync and remove a probe file with a unique name in it."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise TrainError(f"out_dir {out_dir} is a file, not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"out_dir {out_dir} cannot be created: {os_reason(e, out_dir)}") from None
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.write-probe-', dir=out_dir)
+        try:
+            os.write(fd, b'\0')
+            os.fsync(fd)  # a full disk may only show here
+        finally:
+            os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        if probe and os.path.exists(probe):
+            os.remove(probe)
+        raise TrainError(f"out_dir {out_dir} cannot be written: {os_reason(e, probe)}") from None
+
+
+def move_earlier_run(r):
+    """Move an earlier run's files in out_dir to out_dir/previous-<date-time>-<random>/, never overwrite them."""
+    found = [p for p in (r.ckpt_path, r.best_path, r.metrics_path) if os.path.exists(p)]
+    if not found:
+        return
+    keep = None
+    try:
+        keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=r.cfg.out_dir)
+        for p in found:
+            shutil.move(p, keep)
+    except OSError as e:
+        with suppress(OSError, TypeError):
+            os.rmdir(keep)  # only if nothing had moved yet (os.rmdir refuses a folder that is not empty)
+        moved = f"; those moved so far are in {keep}" if keep and os.path.isdir(keep) else ''
+        raise TrainError(f"could not move the earlier run's files in {r.cfg.out_dir} aside ({os_reason(e)}); "
+                         f"nothing was overwritten{moved}") from None
+    r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
+
+
+def truncate_metrics(path, iter_num, say):
+    """Drop the lines of metrics.jsonl logged after the checkpoint (the resumed run logs them again) and any
+    line a crash cut short. Written to a temporary file and renamed, so that a failure loses no line."""
+    if not os.path.exists(path):
+        return
+    tmp, kept, unreadable = f'{path}.tmp', [], 0
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)['iter'] <= iter_num:
+                        kept.append(line.rstrip('\n') + '\n')  # a last line may lack its newline
+                except (ValueError, KeyError, TypeError):
+                    unreadable += 1
+        with open(tmp, 'w') as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise TrainError(f"cannot rewrite {path} for the resumed run: {os_reason(e, path)}") from None
+    if unreadable:
+        say(f"{path}: dropped {unreadable} unreadable line(s), cut short by an earlier failure")
+
+
+def on_master(r, work):
+    """Run work() on process 0, which alone writes files, then stop every process with its TrainError, if it
+    raised one: none is left waiting for the others at the next collective."""
+    error = None
+    if r.master:
+        try:
+            work()
+        except TrainError as e:
+            error = e
+    if not agree(error is None, r.device):
+        raise error or TrainError("process 0 stopped with an error (it prints it)")
 
 
 def compile_model(r):
@@ -902,8 +1059,7 @@ def save(r, *paths):
              'config': vars(r.cfg), 'model_args': r.model_config.to_dict(), 'meta': r.meta,
              'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv),
              'evaluated': r.last_eval == r.iter_num}
-    for path in paths if r.master else ():
-        save_checkpoint(path, state)
+    on_master(r, lambda: [save_checkpoint(path, state) for path in paths])
 
 
 def optimizer_state(r):
@@ -918,14 +1074,33 @@ def optimizer_state(r):
     return get_optimizer_state_dict(r.model, opts, options=FULL_STATE)
 
 
+def log_metrics(r, record):
+    """Append record to out_dir/metrics.jsonl as one JSON line (process 0). A failed write is a warning, never
+    the end of a run that can still save its checkpoints, which hold all that a resume needs."""
+    if not r.master:
+        return
+    start = None
+    try:
+        with open(r.metrics_path, 'a') as f:
+            start = f.tell()
+            f.write(json.dumps(record) + '\n')
+    except OSError as e:
+        if start is not None:  # take back a half-written line, so that the next line starts on its own
+            with suppress(OSError):
+                os.truncate(r.metrics_path, start)
+        if not r.metrics_lost:  # one warning per stretch of failures, not one per line
+            print(f"warning: cannot write {r.metrics_path} ({os_reason(e, r.metrics_path)}); training goes on, "
+                  f"its lines are printed but not logged until a write succeeds", file=sys.stderr)
+        r.metrics_lost += 1
+        return
+    if r.metrics_lost:
+        r.say(f"{r.metrics_path} is written again; {r.metrics_lost} line(s) were lost")
+        r.metrics_lost = 0
+
+
 def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval, step, log; returns the exit code."""
     cfg, say, world = r.cfg, r.say, r.world
-
-    def log(record):
-        if r.master:
-            with open(r.metrics_path, 'a') as f:
-                f.write(json.dumps(record) + '\n')
 
     launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
     resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
@@ -942,7 +1117,7 @@ def train_loop(r):
             if r.iter_num % cfg.eval_interval == 0 and r.last_eval != r.iter_num:
                 losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
                 say(f"iter {r.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log({'iter': r.iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
+                log_metrics(r, {'iter': r.iter_num, 'train_loss': losses['train'], 'val_loss': losses['val']})
                 r.last_eval = r.iter_num
                 improved = losses['val'] < r.best_val_loss
                 r.best_val_loss = min(r.best_val_loss, losses['val'])
@@ -980,8 +1155,8 @@ def train_loop(r):
                     + (f"mfu {100 * mfu:.1f}% of {PEAK_LABEL[r.dtype]} peak, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
-                log({'iter': r.iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
-                     'peak_mem_mb': mem})
+                log_metrics(r, {'iter': r.iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec,
+                                'mfu': mfu, 'peak_mem_mb': mem})
                 if not state_reported:  # the state exists once a step has run
                     say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
                         f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + '), '
