@@ -145,6 +145,8 @@ def hf_model_args(path):
         c = GPTConfig(**args)
     except KeyError as e:
         raise ValueError(f"{where} lacks {e.args[0]}") from None
+    except ValueError as e:  # a shape that GPTConfig refuses
+        raise ValueError(f"{where}: {e}") from None
     for key, ours, theirs in (('head_dim', c.head_dim, cfg.get('head_dim') or c.head_dim),
                               ('intermediate_size', c.mlp_hidden, cfg.get('intermediate_size'))):
         if ours != theirs:
