@@ -7,6 +7,7 @@ branches.
     python prepare_data.py && python train.py config/train_small.py       # CPU, a few minutes on 2 cores
     python train.py config/train_shakespeare_char.py --compile=True       # one GPU
     python train.py config/train_small.py --init_from=resume              # continue out_dir/ckpt.pt
+    python train.py --init_from=hf:models/SmolLM2-135M --data_dir=data/smol --block_size=512  # finetune
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py  # 8 GPUs, DDP
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --parallelism=fsdp
 
@@ -24,6 +25,8 @@ keys and wrong types are errors; check_config: values out of range are errors). 
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
 - activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails, a stop
   with advice if it runs out of memory), periodic eval.
+- init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
+  Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
   loaded with weights_only=True; exact resume including data and RNG state, refused on data with another
   vocabulary (vocabulary_mismatch); a scratch run moves an earlier run's files aside instead of overwriting them.
@@ -64,7 +67,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # I/O
 out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best val loss), metrics.jsonl
 data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prepare_data.py
-init_from = 'scratch'           # 'scratch', or 'resume' from out_dir/ckpt.pt
+init_from = 'scratch'           # 'scratch', 'resume' from out_dir/ckpt.pt, or 'hf:PATH': the weights of a
+                                # Hugging Face Llama/Qwen3 directory (model shape from its config.json)
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
 eval_iters = 50                 # batches per split in each evaluation
 log_interval = 10               # iterations between log lines
@@ -112,7 +116,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
             if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 # ----------------------------------------------------------------------------------------------------
 
-from configurator import configure, ConfigError  # noqa: E402
+from configurator import configure, ConfigError, read_config_file  # noqa: E402
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
 from prepare_data import vocabulary  # noqa: E402
 
@@ -637,7 +641,7 @@ def stop_on_signals():
 # ----------------------------------------------------------------------------------------------------
 # config checks: every value in its range, named when it is not, before anything is read or built
 
-CHOICES = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full', 'selective'),
+CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpointing': ('none', 'full', 'selective'),
            'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
            'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp'),
            'dtype': ('auto', 'float32', 'bfloat16', 'float16')}
@@ -664,7 +668,7 @@ def check_config(cfg):
     """Raise a ConfigError naming the first setting that is not one of its CHOICES or outside its RANGES, or a
     device this machine does not have. Cross-checks that need the data or the model come later, in setup."""
     for key, allowed in CHOICES.items():
-        if getattr(cfg, key) not in allowed:
+        if getattr(cfg, key) not in allowed and not (key == 'init_from' and is_hf(cfg) and cfg.init_from[3:]):
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
     for keys, ok, what in RANGES:
         for key in keys:
@@ -739,8 +743,9 @@ def setup(cfg, argv, device, rank, world):
     r.scaler = torch.amp.GradScaler(device_type, enabled=(r.dtype == 'float16'))
 
     # ---- data, checked before anything is built
+    model_args = model_shape(cfg, argv)
     r.meta = meta = read_meta(cfg.data_dir)
-    r.vocab = cfg.vocab_size or 64 * math.ceil(meta['vocab_size'] / 64)
+    r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
     if r.vocab < meta['vocab_size']:
         raise TrainError(f"vocab_size={r.vocab} is smaller than the dataset's vocabulary ({meta['vocab_size']}, "
                          f"{cfg.data_dir}/meta.json)")
@@ -754,7 +759,6 @@ def setup(cfg, argv, device, rank, world):
     on_master(r, lambda: probe_out_dir(cfg.out_dir))  # now, not at the first checkpoint, after training
 
     # ---- model
-    model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
     model_args['vocab_size'] = r.vocab
     try:
         r.model_config = GPTConfig(**model_args)
@@ -814,8 +818,11 @@ def start_or_resume(r):
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     r.iter_num, r.best_val_loss, r.rng, r.last_eval, r.metrics_lost = 0, math.inf, None, None, 0
+    r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
     if cfg.init_from != 'resume':
         on_master(r, lambda: move_earlier_run(r))
+        if is_hf(cfg):
+            r.init_from = start_from_hf(r)
         return None
     ckpt = load_checkpoint(r.ckpt_path, 'cpu')
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
@@ -837,6 +844,7 @@ def start_or_resume(r):
         r.scaler.load_state_dict(ckpt['scaler'])
     r.batches.load_state_dict(ckpt['batches'])
     r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
+    r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
@@ -944,6 +952,66 @@ def on_master(r, work):
             error = e
     if not agree(error is None, r.device):
         raise error or TrainError("process 0 stopped with an error (it prints it)")
+
+
+def is_hf(cfg):
+    return cfg.init_from.startswith('hf:')
+
+
+def model_shape(cfg, argv):
+    """GPTConfig's arguments, from the config; vocab_size 0 means the dataset's, padded.
+
+    Under init_from=hf:PATH the shape is PATH/config.json's (export.hf_model_args): a shape key that a config
+    file or flag sets (argv, not its default) to another value is an error naming both; block_size and dropout
+    stay the run's, block_size at most max_position_embeddings. Resuming a run that started so keeps the
+    checkpoint's shape for the keys that argv leaves unset (the resume command names none)."""
+    args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
+    explicit = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    explicit.update(k for a in argv if not a.startswith('--') for k in read_config_file(a))
+    if cfg.init_from == 'resume':
+        shape = hf_checkpoint_shape(cfg.out_dir) or {}
+        return {**args, **{k: v for k, v in shape.items() if k not in explicit and k != 'dropout'}}
+    if not is_hf(cfg):
+        return args
+    from export import HF_KEYS, hf_model_args  # the mapping lives with the export
+    path = cfg.init_from[3:]
+    try:
+        shape, max_len = hf_model_args(path)
+    except ValueError as e:
+        raise TrainError(f"init_from={cfg.init_from}: {e}") from None
+    for key, value in shape.items():
+        ours = shape['n_head'] if key == 'n_kv_head' and args.get(key) == 0 else args.get(key)
+        if key in explicit and ours != value:
+            raise ConfigError(f"{key}={args[key]!r} contradicts the model's {key}={value!r} ({HF_KEYS[key]} in "
+                              f"{path}/config.json): leave {key} unset, or set it to the model's")
+    if cfg.block_size > max_len:
+        raise ConfigError(f"block_size={cfg.block_size} is longer than max_position_embeddings={max_len} of "
+                          f"{path}/config.json")
+    return {**args, **shape}
+
+
+def hf_checkpoint_shape(out_dir):
+    """The model_args of out_dir/ckpt.pt if its run started from a Hugging Face model, else None. A look through
+    mmap, which reads no tensor; a missing or broken file is start_or_resume's to report."""
+    try:
+        ckpt = torch.load(os.path.join(out_dir, 'ckpt.pt'), mmap=True, weights_only=True)
+        return ckpt['model_args'] if str(ckpt.get('init_from')).startswith('hf:') else None
+    except Exception:
+        return None
+
+
+def start_from_hf(r):
+    """Load the weights of init_from=hf:PATH into the model; training then goes on as from scratch (iteration
+    0, a fresh optimizer). Returns the start that the checkpoints record."""
+    from export import load_hf_weights
+    path = r.cfg.init_from[3:]
+    try:
+        state = load_hf_weights(path, r.model_config)
+    except ValueError as e:
+        raise TrainError(f"init_from={r.cfg.init_from}: {e}") from None
+    set_model_state_dict(r.model, state, options=FULL_STATE)
+    r.say(f"weights from {path} ({r.model.num_params() / 1e6:.2f}M parameters), a fresh optimizer")
+    return 'hf:' + os.path.abspath(path)
 
 
 def compile_model(r):
@@ -1057,7 +1125,7 @@ def save(r, *paths):
              'optimizer': optimizer_state(r),
              'scaler': r.scaler.state_dict(), 'iter_num': r.iter_num, 'best_val_loss': r.best_val_loss,
              'config': vars(r.cfg), 'model_args': r.model_config.to_dict(), 'meta': r.meta,
-             'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv),
+             'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv), 'init_from': r.init_from,
              'evaluated': r.last_eval == r.iter_num}
     on_master(r, lambda: [save_checkpoint(path, state) for path in paths])
 
