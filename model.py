@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass
@@ -229,9 +229,11 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
-                context = (partial(create_selective_checkpoint_contexts, _selective_policy)
-                           if self.activation_checkpointing == 'selective' else noop_context_fn)
-                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=context)
+                # NOTE: full checkpointing passes no context_fn at all: dynamo cannot trace an explicit one
+                # (not even torch's own noop_context_fn), and compile would fall back to eager
+                selective = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)}
+                x = checkpoint(block, x, cos, sin, use_reentrant=False,
+                               **(selective if self.activation_checkpointing == 'selective' else {}))
             else:
                 x = block(x, cos, sin, cache, layer)
         if cache is not None:
