@@ -15,7 +15,7 @@ Features, each findable by name below:
 - The loss without the full logits (ChunkedCrossEntropy, `model.loss_chunk_tokens`): the head's matmul,
   cross-entropy and their gradients a chunk of tokens at a time; forward returns logits only without targets.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
-  device's bf16 peak (A100, H100, H200; None for unknown devices).
+  device's peak (PEAK_FLOPS: A100, H100, H200, H800, GH200, L40S, L40, L4, RTX 4090; None elsewhere).
 - generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().
 """
 import math
@@ -292,8 +292,9 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
-                # NOTE: no context_fn at all for 'full': torch.compile (2.13) rejects an explicit noop_context_fn
-                selective = dict(context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+                # NOTE: full checkpointing passes no context_fn at all: dynamo cannot trace an explicit one
+                # (not even torch's own noop_context_fn), and compile would fall back to eager
+                selective = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)}
                 x = checkpoint(block, x, cos, sin, use_reentrant=False,
                                **(selective if self.activation_checkpointing == 'selective' else {}))
             else:
@@ -328,7 +329,9 @@ class GPT(nn.Module):
         return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * T
 
     def estimate_mfu(self, tokens_per_sec, device, dtype='bfloat16', seq_len=None):
-        """Model FLOPs utilization: achieved FLOP/s over the device's peak; None when the peak is unknown."""
+        """Model FLOPs utilization: achieved FLOP/s over the device's peak for dtype (peak_flops); None when
+        the peak is unknown. An FP8 run passes its autocast dtype: its MFU is stated against the bf16 peak, as
+        torchtitan does, so that FP8 and bf16 runs compare on one scale."""
         peak = peak_flops(device, dtype)
         return None if peak is None else self.flops_per_token(seq_len) * tokens_per_sec / peak
 
@@ -385,17 +388,42 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-# dense bf16/fp16 tensor-core peaks from the vendor datasheets, FLOP/s; float32 matmuls run as TF32 at half
-PEAK_BF16_FLOPS = {'A100': 312e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12, 'H200': 989e12}
+# Dense tensor-core peaks per GPU in FLOP/s, (bf16, fp8): bf16/fp16 and fp8 matmuls with fp32 accumulation,
+# which is how PyTorch's and torchao's float8 matmuls run; None: the card has no FP8. The datasheets' headline
+# figures are "with sparsity", twice the dense ones given here. float32 matmuls run as TF32 at half the bf16
+# peak (train.py turns TF32 on).
+_A100 = (312e12, None)             # A100 datasheet: BF16 312 (624 sparse), SXM4 and PCIe, 40 and 80 GB
+_H100_SXM = (989.5e12, 1979e12)    # H100 datasheet, SXM: BF16 1,979, FP8 3,958 sparse; the same in the H200
+                                   # (SXM), H800 (SXM) and GH200 datasheets
+_H100_PCIE = (756.5e12, 1513e12)   # H100 PCIe datasheet (2022): BF16 1,513, FP8 3,026 sparse; H800 PCIe the same
+_H100_NVL = (835.5e12, 1670.5e12)  # H100 datasheet (2024), H100 NVL: BF16 1,671, FP8 3,341 sparse; the same in
+                                   # the H200 datasheet for the H200 NVL (its PCIe card)
+# Ada: L40S datasheet: BF16 362.05, FP8 733 dense; L40 datasheet: BF16 181.05, FP8 362 dense; L4 datasheet:
+# BF16 242, FP8 485 sparse. GeForce RTX 4090: NVIDIA Ada GPU architecture whitepaper, appendix A: BF16 (and FP16)
+# with FP32 accumulate 165.2 dense (FP16 with FP16 accumulate 330.3, which PyTorch does not use; 82.6 is TF32),
+# FP8 with FP32 accumulate 330.3 dense
+PEAK_FLOPS = {
+    # keys: torch.cuda.get_device_name() without its 'NVIDIA ' prefix, matched whole, so that every card gets
+    # its own peak or none (no MFU rather than a wrong one: an unlisted name, a MIG slice, a laptop part)
+    'A100-SXM4-40GB': _A100, 'A100-SXM4-80GB': _A100, 'A100-PCIE-40GB': _A100, 'A100-PCIE-80GB': _A100,
+    'A100 80GB PCIe': _A100,
+    'H100 80GB HBM3': _H100_SXM, 'H100': _H100_SXM, 'H100 PCIe': _H100_PCIE, 'H100 NVL': _H100_NVL,
+    'H200': _H100_SXM, 'H200 NVL': _H100_NVL, 'H200 PCIe': _H100_NVL,
+    'H800': _H100_SXM, 'H800 80GB HBM3': _H100_SXM, 'H800 PCIe': _H100_PCIE,
+    'GH200 480GB': _H100_SXM,
+    'L40S': (362.05e12, 733e12), 'L40': (181.05e12, 362e12), 'L4': (121e12, 242.5e12),
+    'GeForce RTX 4090': (165.2e12, 330.3e12),
+}
 
 
 def peak_flops(device, dtype='bfloat16'):
-    """The peak FLOP/s of a CUDA device for this dtype, or None when it is not in the table."""
+    """The dense peak FLOP/s of a CUDA device for matmuls in this dtype ('bfloat16', 'float16', 'float32' as
+    TF32, 'float8'), or None when the device is not in PEAK_FLOPS or has no such peak."""
     device = torch.device(device)
     if device.type != 'cuda' or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in PEAK_BF16_FLOPS.items():  # 'H100 PCIe' and 'H100 NVL' are matched before 'H100'
-        if key in name:
-            return peak / 2 if dtype == 'float32' else peak
-    return None
+    name = torch.cuda.get_device_name(device).strip()
+    bf16, fp8 = PEAK_FLOPS.get(name[len('NVIDIA '):] if name.startswith('NVIDIA ') else name, (None, None))
+    if dtype == 'float8':
+        return fp8
+    return bf16 / 2 if bf16 is not None and dtype == 'float32' else bf16
