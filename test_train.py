@@ -339,15 +339,18 @@ def test_loss_matches_hand_computed_cross_entropy(label_smoothing):
     # and F.cross_entropy on those logits.
     model = tiny_model(dtype=torch.float64)
     x, y = random_batch(0, 3, 16, 32)
-    logits, loss = model(x, y, label_smoothing=label_smoothing)
+    logits, none = model(x)
     logp = logits.double().log_softmax(dim=-1)
     nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     want = ((1 - label_smoothing) * nll + label_smoothing * (-logp.mean(dim=-1))).mean()
-    assert logits.shape == (3, 16, 32)
-    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=0)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 32).float(), y.reshape(-1),
-                                                     label_smoothing=label_smoothing), rtol=1e-6, atol=0)
-    assert model(x)[1] is None
+    assert logits.shape == (3, 16, 32) and none is None
+    for chunk in (model.loss_chunk_tokens, 0):  # the chunked loss (the default), then the plain one
+        model.loss_chunk_tokens = chunk
+        logits_too, loss = model(x, y, label_smoothing=label_smoothing)
+        torch.testing.assert_close(loss.double(), want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 32), y.reshape(-1),
+                                                         label_smoothing=label_smoothing), rtol=1e-12, atol=0)
+        assert (logits_too is None) == (chunk != 0)  # the chunked loss never forms all the logits
 
 
 @pytest.mark.parametrize('overrides, field', [
@@ -809,3 +812,103 @@ def test_train_cli_reports_config_errors_without_traceback(tmp_path):
     assert proc.returncode != 0
     assert "'learning_rat'" in proc.stderr and "'learning_rate'" in proc.stderr
     assert 'Traceback' not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# the chunked loss (model.ChunkedCrossEntropy) against the plain one, and FLOPs against torch's counter
+
+def loss_and_grads(model, x, y, chunk, label_smoothing=0.1, net=None, autocast=nullcontext()):
+    """The loss and every parameter's gradient, with loss_chunk_tokens=chunk (0: the plain loss)."""
+    model.loss_chunk_tokens = chunk
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        _, loss = (model if net is None else net)(x, y, label_smoothing=label_smoothing)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('tie, chunk, checkpointing', [(True, 7, 'none'), (False, 7, 'none'), (True, 5, 'full'),
+                                                       (False, 1000, 'selective'), (True, 48, 'none')])
+def test_chunked_loss_matches_the_plain_loss_in_float64(tie, chunk, checkpointing):
+    # Reference: the plain loss (F.cross_entropy over all the logits, autograd's gradients) in float64,
+    # label smoothing 0.1, on 3 x 16 = 48 tokens: chunks of 7 (the last one 6 tokens), 5, 1000 (one chunk), 48.
+    model = tiny_model(dtype=torch.float64, tie_embeddings=tie)
+    randomize_norms(model)
+    x, y = random_batch(0, 3, 16, 32)
+    want_loss, want = loss_and_grads(model, x, y, 0)
+    model.activation_checkpointing = checkpointing
+    loss, grads = loss_and_grads(model, x, y, chunk)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-10, atol=1e-14, msg=name)
+    with torch.no_grad():  # no gradients to compute: the loss alone
+        torch.testing.assert_close(model(x, y, label_smoothing=0.1)[1], want_loss, rtol=1e-12, atol=0)
+
+
+def test_chunked_loss_under_bf16_autocast_is_as_close_as_the_plain_loss():
+    # Reference: float32 without autocast. Under bf16 autocast the chunked loss must land as close to it as the
+    # plain loss does (both round the same matmuls to bf16; a wrong gradient would be off by far more).
+    model = tiny_model(n_layer=1, tie_embeddings=False)
+    x, y = random_batch(0, 4, 16, 32)
+    want_loss, want = loss_and_grads(model, x, y, 0)
+    bf16 = torch.autocast('cpu', torch.bfloat16)
+    (plain_loss, plain), (loss, grads) = (loss_and_grads(model, x, y, c, autocast=bf16) for c in (0, 7))
+    assert loss.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads.values())
+    assert abs(loss - want_loss) <= 2 * abs(plain_loss - want_loss) + 1e-6
+    for name in want:
+        err, plain_err = (grads[name] - want[name]).norm(), (plain[name] - want[name]).norm()
+        assert err <= 2 * plain_err + 1e-7 * want[name].norm(), (name, err, plain_err)
+
+
+def test_chunked_loss_compiles_to_the_same_loss_and_gradients():
+    # Reference: the plain loss, eager. torch.compile traces the chunked loss (and full activation
+    # checkpointing, which it must compile too) to the same loss and gradients, and evaluates without them.
+    # The aot_eager backend runs what traces them (dynamo, AOTAutograd) without inductor's C++ build, which
+    # takes minutes on a busy 2-core CPU; bench.py's compile rung runs inductor on the chunked loss.
+    model = tiny_model(tie_embeddings=False)
+    x, y = random_batch(0, 3, 16, 32)
+    want_loss, want = loss_and_grads(model, x, y, 0)
+    model.activation_checkpointing = 'full'
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend='aot_eager')
+    loss, grads = loss_and_grads(model, x, y, 7, net=compiled)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y, label_smoothing=0.1)[1], want_loss, rtol=1e-6, atol=0)
+    torch._dynamo.reset()
+
+
+def test_loss_chunk_size_keeps_a_chunk_of_logits_small():
+    # Reference: the sizes: a power of two of tokens whose logits fit in LOSS_CHUNK_LOGITS (256 MB in fp32).
+    def chunk(vocab_size):
+        return GPT(GPTConfig(block_size=8, vocab_size=vocab_size, n_layer=1, n_head=1, n_embd=8)).loss_chunk_tokens
+    assert chunk(50304) == 1024 and 1024 * 50304 * 4 <= 256 * 2**20  # GPT-2: 16 chunks of a 16 x 1024 batch
+    assert chunk(100352) == 512 and chunk(128) == 2**19  # cl100k_base; characters: one chunk for any batch here
+
+
+@pytest.mark.parametrize('tie, n_kv_head', [(True, 4), (False, 2), (True, 1)])
+def test_flops_per_token_matches_torch_flop_counter(tie, n_kv_head):
+    # Reference: torch.utils.flop_counter.FlopCounterMode over a forward and backward of B x T tokens. Where the
+    # two count alike: every matmul 2 FLOPs per weight per token forward, 4 backward (the blocks' first matmul
+    # too: the embedding output needs its gradient); the chunked loss's head matmuls run once each, none
+    # recomputed; the embedding lookup counts zero in both; and both count attention's whole T x T square,
+    # ignoring what the causal mask saves (SDPA's math kernel computes the square and masks it, and the counter's
+    # SDPA formulas assume the square). Where they differ: CPU's fused flash kernel has no formula in the
+    # counter, so with it the count lacks exactly the attention term, 12 * n_layer * n_head * head_dim * T.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    model = tiny_model(tie_embeddings=tie, n_kv_head=n_kv_head)
+    c, (B, T) = model.config, (2, 16)
+    x, y = random_batch(0, B, T, c.vocab_size)
+    attention = 12 * c.n_layer * c.n_head * c.head_dim * T
+
+    def counted(chunk, backends):
+        model.loss_chunk_tokens = chunk
+        with sdpa_kernel(backends), FlopCounterMode(display=False) as counter:
+            model(x, y)[1].backward()
+        return counter.get_total_flops()
+    for chunk in (7, 0):  # the chunked loss and the plain one
+        assert counted(chunk, [SDPBackend.MATH]) == model.flops_per_token(T) * B * T
+        assert counted(chunk, [SDPBackend.FLASH_ATTENTION]) == (model.flops_per_token(T) - attention) * B * T
