@@ -1102,9 +1102,13 @@ def plot_metrics(r, final=False):
     if not r.master or not (final or time.time() - r.plotted_at >= PLOT_EVERY_S):
         return
     r.plotted_at = time.time()
+    import plot  # and matplotlib (a second) in plot.draw, at the first drawing rather than at start-up
     try:
-        import plot  # and matplotlib (a second), at the first drawing rather than at start-up
-        plot.draw({r.cfg.out_dir: plot.read_metrics(r.cfg.out_dir)}, r.plot_path)
+        records = plot.read_metrics(r.cfg.out_dir)
+    except ValueError:  # metrics.jsonl missing or empty: log_metrics has warned about that already
+        return
+    try:
+        plot.draw({r.cfg.out_dir: records}, r.plot_path)
     except Exception as e:
         print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
 
