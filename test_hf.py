@@ -5,7 +5,9 @@ transformers loads our exports with no code of ours and must give our logits and
 LlamaForCausalLM / Qwen3ForCausalLM saved by transformers must load into model.py with transformers' logits
 and start a finetune whose first evaluation is transformers' loss on the same batches; a tokenizer.json
 trained here with `tokenizers` must encode prepare_data.py's files as it encodes the whole text; tiktoken's
-cl100k_base converted for transformers must give tiktoken's ids. Nothing is downloaded (HF_HUB_OFFLINE=1).
+cl100k_base converted for transformers must give tiktoken's ids; Llama 3's RoPE scaling must give transformers'
+frequencies, and the config.json of published models transformers' shapes and the model cards' parameter
+counts. Nothing is downloaded (HF_HUB_OFFLINE=1).
 
     python -m pytest -q test_hf.py
 """
@@ -87,7 +89,8 @@ HF_MODELS = {  # name: (config class, its arguments beyond HF_COMMON's, save_pre
     # as Qwen3 has them: heads wider than the width over the heads (4 x 32 for 64), an MLP width of its own
     'qwen3_wide': ('Qwen3Config', dict(num_key_value_heads=2, head_dim=32, intermediate_size=96,
                                        tie_word_embeddings=True), {}),
-    'llama3_rope': ('LlamaConfig', dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA3_SMALL), {}),
+    'llama3_rope': ('LlamaConfig', dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA3_SMALL),
+                    {}),
 }
 
 
@@ -180,6 +183,15 @@ PUBLISHED = {  # config.json of published checkpoints, as on the Hub; parameters
                           rope_type='llama3'),
         rope_theta=500000.0, tie_word_embeddings=True, torch_dtype='bfloat16', transformers_version='4.45.0.dev0',
         use_cache=True, vocab_size=128256), ('1.24B', None)),
+    'Llama-3.1-8B': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+        eos_token_id=128001, hidden_act='silu', hidden_size=4096, initializer_range=0.02, intermediate_size=14336,
+        max_position_embeddings=131072, mlp_bias=False, model_type='llama', num_attention_heads=32,
+        num_hidden_layers=32, num_key_value_heads=8, pretraining_tp=1, rms_norm_eps=1e-05,
+        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+                          rope_type='llama3'),
+        rope_theta=500000.0, tie_word_embeddings=False, torch_dtype='bfloat16', transformers_version='4.43.0.dev0',
+        use_cache=True, vocab_size=128256), ('8.03B', None)),
     'SmolLM2-1.7B-Instruct': (dict(
         architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
         hidden_act='silu', hidden_size=2048, initializer_range=0.02, intermediate_size=8192,
