@@ -15,10 +15,10 @@ meta). A character-level vocabulary has no transformers tokenizer: the export sa
 char_vocab.json (the characters, in id order) instead.
 
 The other way, train.py's init_from=hf:PATH reads a Llama or Qwen3 directory through hf_model_args() and
-load_hf_weights(). Whatever model.py cannot represent (rope scaling, biases, sliding windows, another
-activation, a head_dim or intermediate_size that model.py does not derive from the widths) is refused with
-a message naming it, never approximated. A checkpoint written by FP8 or FSDP training exports like any
-other: checkpoints hold plain, name-keyed state dicts.
+load_hf_weights(): SmolLM2, Llama 3.2 (with Llama 3's RoPE scaling), Qwen3 (its head_dim set apart from the
+width). Whatever model.py cannot represent (another RoPE scaling, such as yarn, biases, sliding windows,
+another activation) is refused with a message naming it, never approximated. A checkpoint written by FP8 or
+FSDP training exports like any other: checkpoints hold plain, name-keyed state dicts.
 """
 import json
 import os
@@ -49,7 +49,13 @@ LAYER = [('attn_norm.weight', ['input_layernorm.weight']),
 HF_KEYS = {'n_layer': 'num_hidden_layers', 'n_head': 'num_attention_heads', 'n_kv_head': 'num_key_value_heads',
            'n_embd': 'hidden_size', 'vocab_size': 'vocab_size', 'rope_base': 'rope_theta',
            'norm_eps': 'rms_norm_eps', 'tie_embeddings': 'tie_word_embeddings', 'qk_norm': 'model_type',
-           'mlp': 'hidden_act'}
+           'mlp': 'hidden_act', 'head_dim': 'head_dim', 'mlp_hidden': 'intermediate_size',
+           'rope_scaling_factor': 'rope_scaling', 'rope_low_freq_factor': 'rope_scaling',
+           'rope_high_freq_factor': 'rope_scaling', 'rope_original_max_len': 'rope_scaling'}
+# the keys of a RoPE dict (rope_scaling, rope_parameters) that model.py can follow, by rope_type
+ROPE_KEYS = {'default': {'rope_type', 'type', 'rope_theta'},
+             'llama3': {'rope_type', 'type', 'rope_theta', 'factor', 'low_freq_factor', 'high_freq_factor',
+                        'original_max_position_embeddings'}}
 
 
 def name_map(c):
@@ -121,13 +127,18 @@ def hf_model_args(path):
     if kind not in ('llama', 'qwen3'):
         raise ValueError(f"{where}: model_type={kind!r}; only Llama ('llama', e.g. SmolLM2) and Qwen3 ('qwen3') "
                          f"checkpoints map onto model.py")
-    rope = cfg.get('rope_parameters') or {}
+    # as transformers: rope_scaling (older files, Llama 3.2's) over rope_parameters (transformers 5's own)
+    rope_key = 'rope_scaling' if cfg.get('rope_scaling') else 'rope_parameters'
+    rope = cfg.get(rope_key) or {}
+    rope_type = rope.get('rope_type', rope.get('type', 'default'))
+    extra = sorted(set(rope) - ROPE_KEYS.get(rope_type, set(rope)))
     refused = [('hidden_act', cfg.get('hidden_act', 'silu') != 'silu', 'model.py gates its MLP with silu'),
                ('attention_bias', cfg.get('attention_bias', False), 'model.py has no biases'),
                ('mlp_bias', cfg.get('mlp_bias', False), 'model.py has no biases'),
-               ('rope_scaling', cfg.get('rope_scaling') is not None, 'model.py has plain RoPE'),
-               ('rope_parameters', rope.get('rope_type', 'default') != 'default'
-                or set(rope) - {'rope_type', 'rope_theta'}, 'model.py has plain RoPE'),
+               (rope_key, rope_type not in ROPE_KEYS, f"rope_type {rope_type!r}: model.py has plain RoPE and Llama 3's "
+                                                      f"scaling ('llama3')"),
+               (rope_key, extra, f"model.py's RoPE has no {', '.join(extra)}"),
+               ('partial_rotary_factor', cfg.get('partial_rotary_factor', 1.0) != 1.0, 'model.py rotates whole heads'),
                ('use_sliding_window', cfg.get('use_sliding_window', False), 'model.py attends to the whole context'),
                ('layer_types', any(t != 'full_attention' for t in cfg.get('layer_types') or []),
                 'model.py attends to the whole context'),
@@ -135,25 +146,30 @@ def hf_model_args(path):
     for key, bad, why in refused:
         if bad:
             raise ValueError(f"{where}: {key}={cfg.get(key)!r} cannot be represented ({why})")
+    if rope_type == 'llama3' and (missing := [k for k in ('factor', 'low_freq_factor', 'high_freq_factor')
+                                              if k not in rope]):
+        raise ValueError(f"{where}: {rope_key} lacks {missing[0]} (rope_type 'llama3')")
+    max_len = cfg.get('max_position_embeddings', 32768 if kind == 'qwen3' else 2048)
     try:
         n_head = cfg['num_attention_heads']
         args = dict(n_layer=cfg['num_hidden_layers'], n_head=n_head, n_kv_head=cfg.get('num_key_value_heads') or n_head,
                     n_embd=cfg['hidden_size'], vocab_size=cfg['vocab_size'], qk_norm=kind == 'qwen3',
                     tie_embeddings=cfg.get('tie_word_embeddings', False), mlp='swiglu',
                     rope_base=float(rope.get('rope_theta', cfg.get('rope_theta', 10000.0))),
-                    norm_eps=cfg.get('rms_norm_eps', 1e-6))
-        c = GPTConfig(**args)
+                    norm_eps=cfg.get('rms_norm_eps', 1e-6),
+                    head_dim=cfg.get('head_dim') or cfg['hidden_size'] // n_head,  # transformers' reading
+                    mlp_hidden=cfg.get('intermediate_size', 22016 if kind == 'qwen3' else 11008))
+        if rope_type == 'llama3':  # where the length of pretraining is, as transformers looks for it
+            original = (cfg.get('original_max_position_embeddings') or rope.get('original_max_position_embeddings')
+                        or max_len)
+            args.update(rope_scaling_factor=float(rope['factor']), rope_low_freq_factor=float(rope['low_freq_factor']),
+                        rope_high_freq_factor=float(rope['high_freq_factor']), rope_original_max_len=int(original))
+        GPTConfig(**args)
     except KeyError as e:
         raise ValueError(f"{where} lacks {e.args[0]}") from None
     except ValueError as e:  # a shape that GPTConfig refuses
         raise ValueError(f"{where}: {e}") from None
-    for key, ours, theirs in (('head_dim', c.head_dim, cfg.get('head_dim') or c.head_dim),
-                              ('intermediate_size', c.mlp_hidden, cfg.get('intermediate_size'))):
-        if ours != theirs:
-            raise ValueError(f"{where}: {key}={theirs}, but model.py derives {ours} from hidden_size="
-                             f"{c.n_embd}" + (f" and num_attention_heads={n_head}" if key == 'head_dim' else
-                                              " (8/3 of it, rounded up to a multiple of 64)"))
-    return args, cfg.get('max_position_embeddings', 32768 if kind == 'qwen3' else 2048)
+    return args, max_len
 
 
 def load_hf_weights(path, c):
@@ -185,7 +201,7 @@ def hf_config(c, eot, dtype):
                   hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
                   num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim,
                   hidden_act='silu', max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-                  rope_theta=c.rope_base, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
+                  rope_theta=c.rope_base, rope_scaling=hf_rope_scaling(c), attention_bias=False, attention_dropout=0.0,
                   tie_word_embeddings=c.tie_embeddings, bos_token_id=None, eos_token_id=eot,
                   torch_dtype=dtype, use_cache=True)
     if c.qk_norm:
@@ -193,6 +209,14 @@ def hf_config(c, eot, dtype):
     else:
         config.update(mlp_bias=False, pretraining_tp=1)
     return config
+
+
+def hf_rope_scaling(c):
+    """config.json's rope_scaling for c: Llama 3's, as Llama 3.2's config.json writes it, or None."""
+    if not c.rope_scaling_factor:
+        return None
+    return dict(rope_type='llama3', factor=c.rope_scaling_factor, low_freq_factor=c.rope_low_freq_factor,
+                high_freq_factor=c.rope_high_freq_factor, original_max_position_embeddings=c.rope_original_max_len)
 
 
 def tiktoken_to_hf(enc):

@@ -3,9 +3,11 @@ A modern GPT in one file, read top to bottom: config, norm, rotary embedding, at
 model, then FLOPs/MFU arithmetic and generation.
 
 Features, each findable by name below:
-- GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden) and shape checks in __post_init__.
+- GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden, unless set) and shape checks in
+  __post_init__.
 - RMSNorm (torch's own nn.RMSNorm), pre-norm residual blocks, no biases.
-- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers.
+- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers; optionally with Llama 3's
+  frequency scaling (llama3_scaling, rope_scaling_factor > 0), as in Llama 3.1 and 3.2.
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
 - MLP: SwiGLU (default), GeGLU or GELU.
@@ -43,8 +45,14 @@ class GPTConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     # derived in __post_init__
-    head_dim: int = 0
-    mlp_hidden: int = 0
+    head_dim: int = 0          # 0: n_embd // n_head; set apart from the width in Qwen3 (128 at width 1024, 16 heads)
+    mlp_hidden: int = 0        # 0: 8/3 n_embd (4 n_embd for gelu) rounded up to a multiple of 64; published models
+                               # set their own (Llama 3.2 1B: 8192 at width 2048, where 8/3 gives 5504)
+    # Llama 3's RoPE scaling (Llama 3.1 and 3.2; llama3_scaling): 0 is off
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192  # the context length of pretraining, before the scaling
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -52,34 +60,65 @@ class GPTConfig:
         for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd'):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be positive")
-        if self.n_embd % self.n_head:
+        for name in ('head_dim', 'mlp_hidden'):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be at least 0 (0: derived)")
+        if self.n_embd % self.n_head and not self.head_dim:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by "
                              f"n_kv_head={self.n_kv_head} (each key/value head serves a group of query heads)")
-        self.head_dim = self.n_embd // self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.head_dim % 2:
-            raise ValueError(f"GPTConfig: head_dim={self.head_dim} (n_embd/n_head) must be even for RoPE")
+            raise ValueError(f"GPTConfig: head_dim={self.head_dim} (n_embd/n_head unless set) must be even for RoPE")
         if self.mlp not in ('swiglu', 'geglu', 'gelu'):
             raise ValueError(f"GPTConfig: mlp={self.mlp!r}, expected 'swiglu', 'geglu' or 'gelu'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+        if self.rope_scaling_factor and not (self.rope_scaling_factor >= 1 and self.rope_original_max_len >= 1
+                                             and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"GPTConfig: rope_scaling_factor={self.rope_scaling_factor} with rope_low_freq_factor="
+                             f"{self.rope_low_freq_factor}, rope_high_freq_factor={self.rope_high_freq_factor}, "
+                             f"rope_original_max_len={self.rope_original_max_len}: Llama 3's scaling needs a factor "
+                             f"of at least 1 (0: off), 0 < low < high and a positive length")
         # Gated MLPs have three matrices instead of two: 8/3 * n_embd keeps the parameter count of a
         # 4 * n_embd GELU MLP (Shazeer 2020). Rounded up to a multiple of 64 for the matmul kernels.
         hidden = 4 * self.n_embd if self.mlp == 'gelu' else int(8 * self.n_embd / 3)
-        self.mlp_hidden = 64 * math.ceil(hidden / 64)
+        self.mlp_hidden = self.mlp_hidden or 64 * math.ceil(hidden / 64)
 
     def to_dict(self):
-        """The constructor arguments, without the derived sizes (what a checkpoint stores)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ('head_dim', 'mlp_hidden')}
+        """The constructor arguments, the derived sizes as derived (what a checkpoint stores). A checkpoint written
+        before head_dim, mlp_hidden and the RoPE scaling were fields lacks them: their defaults rebuild its model."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 # ----------------------------------------------------------------------------------------------------
 # rotary position embedding (Su et al. 2021, https://arxiv.org/abs/2104.09864)
 
-def rope_cache(seq_len, head_dim, base):
-    """cos and sin of shape (seq_len, head_dim // 2): position t rotates channel pair i by t * base^(-2i/d)."""
+def llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_len):
+    """Llama 3's RoPE scaling (Llama 3.1 and 3.2; transformers' _compute_llama3_parameters, the same arithmetic):
+    channel pairs whose wavelength 2 pi / inv_freq exceeds original_max_len / low_freq_factor turn factor times
+    slower, so that the longer context spans the angles pretraining saw; those shorter than original_max_len /
+    high_freq_factor stay as they were; in between, a blend linear in original_max_len / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq  # 0: inv_freq / factor, 1: inv_freq as it was
+
+
+def rope_scaling(config):
+    """The adjustment of the frequencies that config asks for: llama3_scaling with its fields, or None (plain RoPE)."""
+    if not config.rope_scaling_factor:
+        return None
+    return partial(llama3_scaling, factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
+                   high_freq_factor=config.rope_high_freq_factor, original_max_len=config.rope_original_max_len)
+
+
+def rope_cache(seq_len, head_dim, base, scaling=None):
+    """cos and sin of shape (seq_len, head_dim // 2): position t rotates channel pair i by t * base^(-2i/d), the
+    frequencies adjusted first by scaling (a function of them: llama3_scaling) when given."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling(inv_freq)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -259,7 +298,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one matrix embeds tokens and scores them
-        cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base)
+        cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base, rope_scaling(config))
         self.register_buffer('cos', cos, persistent=False)  # recomputed, never saved in checkpoints
         self.register_buffer('sin', sin, persistent=False)
         self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring

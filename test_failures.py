@@ -565,6 +565,41 @@ def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_p
     assert lr5 == [pytest.approx(0.001 + 0.5 * (0.02 - 0.001), rel=1e-12)]
 
 
+NEW_MODEL_KEYS = ('head_dim', 'mlp_hidden', 'rope_scaling_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
+                  'rope_original_max_len')
+
+
+def test_checkpoint_from_before_the_size_fields_resumes_and_samples(data, tmp_path, capsys):
+    # A checkpoint written before head_dim, mlp_hidden and the RoPE scaling were GPTConfig fields and settings lacks
+    # them in model_args and config. Reference: the same checkpoint with them. sample.py prints the same text from
+    # both; the old one resumes with no shape difference and no changed setting but max_iters; a changed head_dim
+    # is still a shape difference.
+    import sample
+    new, old = tmp_path / 'new', tmp_path / 'old'
+    assert train.main(args(data, new, '--eval_interval=2', '--max_iters=2')) == 0
+    ckpt = load(new / 'ckpt.pt')
+    assert ckpt['model_args']['head_dim'] == 8 and ckpt['config']['head_dim'] == 0  # n_embd 16, 2 heads
+    old.mkdir()
+    shutil.copy(new / 'metrics.jsonl', old)
+    train.save_checkpoint(str(old / 'ckpt.pt'), {
+        **ckpt, 'model_args': {k: v for k, v in ckpt['model_args'].items() if k not in NEW_MODEL_KEYS},
+        'config': {k: v for k, v in ckpt['config'].items() if k not in NEW_MODEL_KEYS} | {'out_dir': str(old)}})
+    texts = []
+    for out in (new, old):
+        capsys.readouterr()
+        sample.main([f'--out_dir={out}', '--device=cpu', '--num_samples=1', '--max_new_tokens=20',
+                     f"--start={ckpt['meta']['chars'][:3]}"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 20
+    assert train.main(args(data, old, '--eval_interval=2', '--max_iters=4', '--init_from=resume')) == 0
+    stdout = capsys.readouterr().out
+    changed = stdout.split('resuming with changed settings (checkpoint -> now):\n')[1].split('\nresuming from')[0]
+    assert changed.strip() == 'max_iters: 2 -> 4', stdout
+    assert load(old / 'ckpt.pt')['iter_num'] == 4
+    with pytest.raises(train.TrainError, match=r'head_dim: 8 -> 4'):
+        train.main(args(data, new, '--eval_interval=2', '--max_iters=4', '--init_from=resume', '--head_dim=4'))
+
+
 # ----------------------------------------------------------------------------------------------------
 # 7. bad data, caught before training starts
 
@@ -1138,7 +1173,7 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 is left ou
     'batch_size': [0, -1], 'block_size': [0, -8], 'gradient_accumulation_steps': [0, -2], 'n_layer': [0, -1],
     'n_head': [0, -2], 'n_embd': [0, -16], 'eval_interval': [0, -1], 'eval_iters': [-1], 'log_interval': [0, -1],
     'max_nonfinite_steps': [0, -1], 'max_iters': [-1], 'warmup_iters': [-1], 'lr_decay_iters': [-1],
-    'n_kv_head': [-1], 'vocab_size': [-64], 'seed': [-1, 2**63],
+    'n_kv_head': [-1], 'vocab_size': [-64], 'seed': [-1, 2**63], 'head_dim': [-2, 3], 'mlp_hidden': [-1],
     'learning_rate': [0.0, -1e-3, NAN, INF], 'min_lr': [-1e-5, 0.02, NAN, INF],
     'weight_decay': [-0.1, NAN, INF], 'grad_clip': [-1.0, NAN, INF],
     'dropout': [-0.1, 1.0, NAN, INF], 'label_smoothing': [-0.1, 1.0, NAN, INF],
@@ -1190,7 +1225,8 @@ def test_bad_value_from_the_command_line(data, tmp_path):
 
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run
     'zeros': ['--grad_clip=0', '--dropout=0', '--label_smoothing=0', '--weight_decay=0', '--beta1=0', '--beta2=0',
-              '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1'],
+              '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1',
+              '--head_dim=0', '--mlp_hidden=0'],
     'warmup_iters=0': ['--warmup_iters=0'], 'min_lr=learning_rate': ['--min_lr=1e-2'], 'max_iters=0': ['--max_iters=0'],
 }
 

@@ -5,7 +5,9 @@ transformers loads our exports with no code of ours and must give our logits and
 LlamaForCausalLM / Qwen3ForCausalLM saved by transformers must load into model.py with transformers' logits
 and start a finetune whose first evaluation is transformers' loss on the same batches; a tokenizer.json
 trained here with `tokenizers` must encode prepare_data.py's files as it encodes the whole text; tiktoken's
-cl100k_base converted for transformers must give tiktoken's ids. Nothing is downloaded (HF_HUB_OFFLINE=1).
+cl100k_base converted for transformers must give tiktoken's ids; Llama 3's RoPE scaling must give transformers'
+frequencies, and the config.json of published models transformers' shapes and the model cards' parameter
+counts. Nothing is downloaded (HF_HUB_OFFLINE=1).
 
     python -m pytest -q test_hf.py
 """
@@ -32,7 +34,7 @@ import sample  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from conftest import load, read_metrics, write_dataset  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, llama3_scaling, rope_cache, rope_scaling  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
@@ -73,11 +75,22 @@ def tok_dir(tmp_path_factory):
     return str(d)
 
 
-HF_MODELS = {  # name: (config class, its arguments, save_pretrained arguments)
+# Llama 3's RoPE scaling with a pretraining length of 32 (of the tiny models' 64): of the 8 frequencies of a head
+# of 16, one is kept, one blended and six slowed down, and positions past 32 are in the sequences tested
+LLAMA3_SMALL = dict(rope_type='llama3', factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=32)
+HF_COMMON = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
+                 max_position_embeddings=64, rms_norm_eps=1e-5)
+HF_MODELS = {  # name: (config class, its arguments beyond HF_COMMON's, save_pretrained arguments)
     'llama_gqa': ('LlamaConfig', dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=5e5), {}),
     'llama_tied_sharded': ('LlamaConfig', dict(num_key_value_heads=4, tie_word_embeddings=True),
                            dict(max_shard_size='60KB')),
     'qwen3': ('Qwen3Config', dict(num_key_value_heads=1, head_dim=16, tie_word_embeddings=False), {}),
+    # as Qwen3 has them: heads wider than the width over the heads (4 x 32 for 64), an MLP width of its own
+    'qwen3_wide': ('Qwen3Config', dict(num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                       tie_word_embeddings=True), {}),
+    'llama3_rope': ('LlamaConfig', dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA3_SMALL),
+                    {}),
 }
 
 
@@ -86,9 +99,7 @@ def hf_dirs(tmp_path_factory):
     """Tiny random models saved by transformers' save_pretrained (safetensors), one directory each."""
     dirs = {}
     for i, (name, (cls, kwargs, save)) in enumerate(HF_MODELS.items()):
-        config = getattr(transformers, cls)(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                            num_attention_heads=4, vocab_size=V, max_position_embeddings=64,
-                                            rms_norm_eps=1e-5, **kwargs)
+        config = getattr(transformers, cls)(**{**HF_COMMON, **kwargs})
         model = randomize(transformers.AutoModelForCausalLM.from_config(config), seed=i)
         dirs[name] = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(dirs[name], **save)
@@ -116,12 +127,119 @@ def test_hf_model_loads_with_transformers_logits(hf_dirs, name):
         assert os.path.exists(os.path.join(path, 'model.safetensors.index.json'))
         assert len([f for f in os.listdir(path) if f.endswith('.safetensors')]) > 1
     ours, theirs = ours_from_hf(path), hf_model(path)
-    assert ours.config.qk_norm == (name == 'qwen3') and ours.config.tie_embeddings == name.endswith('sharded')
-    ids = torch.randint(V, (2, 40), generator=torch.Generator().manual_seed(0))
+    cls, kwargs, _ = HF_MODELS[name]
+    c, kwargs = ours.config, {**HF_COMMON, **kwargs}
+    assert c.qk_norm == (cls == 'Qwen3Config') and c.tie_embeddings == kwargs['tie_word_embeddings']
+    assert (c.head_dim, c.mlp_hidden) == (kwargs.get('head_dim', 16), kwargs['intermediate_size'])
+    assert c.rope_scaling_factor == kwargs.get('rope_scaling', {}).get('factor', 0.0)
+    ids = torch.randint(V, (2, 40), generator=torch.Generator().manual_seed(0))  # 40: past the llama3 scaling's 32
     with torch.no_grad():
         expected = theirs(ids).logits
         assert expected.std() > 0.5  # large enough that a wrong mapping shows
         torch.testing.assert_close(ours(ids)[0], expected, rtol=0, atol=1e-5)
+
+
+def test_llama3_rope_in_the_older_config_layout(hf_dirs, tmp_path):
+    """Llama 3.2's own config.json has rope_scaling and rope_theta beside it (transformers before 5.0), not
+    rope_parameters: the same model either way."""
+    src = hf_dirs['llama3_rope']
+    rope = json.loads(open(os.path.join(src, 'config.json')).read())['rope_parameters']
+    assert rope['rope_type'] == 'llama3'  # what save_pretrained wrote
+    old = edit_config(src, tmp_path / 'old', rope_parameters=None, rope_theta=rope.pop('rope_theta'), rope_scaling=rope)
+    assert export.hf_model_args(old) == export.hf_model_args(src)
+    assert export.hf_model_args(old)[0]['rope_original_max_len'] == 32
+
+
+@pytest.mark.parametrize('head_dim, base, factor, low, high, original', [
+    (64, 5e5, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B and 3B
+    (128, 5e5, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
+    (16, 1e4, 4.0, 1.0, 4.0, 32),     # LLAMA3_SMALL
+    (32, 1e4, 2.5, 2.0, 3.0, 100),    # factors of no published model
+])
+def test_llama3_scaling_is_transformers(head_dim, base, factor, low, high, original):
+    """Reference: transformers' own function for rope_type 'llama3', on a config that asks for it."""
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+    config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                      max_position_embeddings=4 * original, rope_parameters=dict(
+                                          rope_type='llama3', rope_theta=base, factor=factor, low_freq_factor=low,
+                                          high_freq_factor=high, original_max_position_embeddings=original))
+    want, attention_factor = _compute_llama3_parameters(config, 'cpu')
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # rope_cache's
+    got = llama3_scaling(inv_freq, factor, low, high, original)
+    assert attention_factor == 1.0 and got.dtype == want.dtype
+    assert torch.equal(got, want), (got - want).abs().max()
+    kept, slowed = got == inv_freq, got == inv_freq / factor  # each part of the formula is exercised
+    assert kept.any() and slowed.any() and (~kept & ~slowed).any()
+
+
+PUBLISHED = {  # config.json of published checkpoints, as on the Hub; parameters as their model cards round them
+               # (total, without the embeddings)
+    'Llama-3.2-1B': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+        eos_token_id=128001, head_dim=64, hidden_act='silu', hidden_size=2048, initializer_range=0.02,
+        intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False, model_type='llama',
+        num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8, pretraining_tp=1, rms_norm_eps=1e-05,
+        rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0, original_max_position_embeddings=8192,
+                          rope_type='llama3'),
+        rope_theta=500000.0, tie_word_embeddings=True, torch_dtype='bfloat16', transformers_version='4.45.0.dev0',
+        use_cache=True, vocab_size=128256), ('1.24B', None)),
+    'Llama-3.1-8B': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+        eos_token_id=128001, hidden_act='silu', hidden_size=4096, initializer_range=0.02, intermediate_size=14336,
+        max_position_embeddings=131072, mlp_bias=False, model_type='llama', num_attention_heads=32,
+        num_hidden_layers=32, num_key_value_heads=8, pretraining_tp=1, rms_norm_eps=1e-05,
+        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+                          rope_type='llama3'),
+        rope_theta=500000.0, tie_word_embeddings=False, torch_dtype='bfloat16', transformers_version='4.43.0.dev0',
+        use_cache=True, vocab_size=128256), ('8.03B', None)),
+    'SmolLM2-1.7B-Instruct': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
+        hidden_act='silu', hidden_size=2048, initializer_range=0.02, intermediate_size=8192,
+        max_position_embeddings=8192, mlp_bias=False, model_type='llama', num_attention_heads=32, num_hidden_layers=24,
+        num_key_value_heads=32, pad_token_id=2, pretraining_tp=1, rms_norm_eps=1e-05, rope_scaling=None,
+        rope_theta=130000, tie_word_embeddings=True, torch_dtype='bfloat16', transformers_version='4.42.3',
+        use_cache=True, vocab_size=49152), ('1.71B', None)),
+    'Qwen3-0.6B': (dict(
+        architectures=['Qwen3ForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+        eos_token_id=151645, head_dim=128, hidden_act='silu', hidden_size=1024, initializer_range=0.02,
+        intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type='qwen3',
+        num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
+        rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, torch_dtype='bfloat16',
+        transformers_version='4.51.0', use_cache=True, use_sliding_window=False, vocab_size=151936), ('0.6B', '0.44B')),
+    'Qwen3-8B-Base': (dict(  # the larger Qwen3 have their own output head
+        architectures=['Qwen3ForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+        eos_token_id=151643, head_dim=128, hidden_act='silu', hidden_size=4096, initializer_range=0.02,
+        intermediate_size=12288, max_position_embeddings=32768, max_window_layers=36, model_type='qwen3',
+        num_attention_heads=32, num_hidden_layers=36, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
+        rope_theta=1000000, sliding_window=None, tie_word_embeddings=False, torch_dtype='bfloat16',
+        transformers_version='4.51.0', use_cache=True, use_sliding_window=False, vocab_size=151936), ('8.2B', '6.95B')),
+}
+
+
+@pytest.mark.parametrize('name', list(PUBLISHED))
+def test_published_configs_map_onto_model_py(tmp_path, name):
+    """The real config.json of each model family (no weights): the model it gives has the model card's parameter
+    count, the tensors of transformers' model of that config (built on the meta device) and its RoPE angles."""
+    config, (total, non_embedding) = PUBLISHED[name]
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    args, max_len = export.hf_model_args(str(tmp_path))
+    assert max_len == config['max_position_embeddings']
+    c = GPTConfig(**args, block_size=16)
+    with torch.device('meta'):
+        ours = GPT(c)
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    embeddings = c.vocab_size * c.n_embd * (1 if c.tie_embeddings else 2)
+    for card, n in ((total, ours.num_params()), (non_embedding, ours.num_params() - embeddings)):
+        assert card is None or f'{n / 1e9:.{len(card.split(".")[1]) - 1}f}B' == card
+    shapes = {k: v.shape for k, v in theirs.state_dict().items() if not (c.tie_embeddings and k == 'lm_head.weight')}
+    assert {k: v.shape for k, v in export.to_hf(ours.state_dict(), c).items()} == shapes
+    # the angles up to twice the pretraining length of Llama 3 (past it, where its scaling acts)
+    rotary = type(theirs.model.rotary_emb)(theirs.config)  # on the CPU
+    positions = torch.arange(0, 16384, 7)
+    cos, sin = rotary(torch.ones(1), positions[None])  # (1, T, head_dim): the angles twice, as rotate-half uses them
+    our_cos, our_sin = rope_cache(16384, c.head_dim, c.rope_base, rope_scaling(c))
+    torch.testing.assert_close(cos[0], torch.cat([our_cos[positions]] * 2, dim=-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[0], torch.cat([our_sin[positions]] * 2, dim=-1), rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope='module')
@@ -210,18 +328,25 @@ def edit_config(src, dst, **changes):
 
 
 @pytest.mark.parametrize('model, changes, message', [
-    ('llama_gqa', dict(rope_scaling={'rope_type': 'llama3', 'factor': 8.0}), "rope_scaling="),
-    ('llama_gqa', dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0}), "rope_parameters="),
+    ('llama_gqa', dict(rope_scaling={'rope_type': 'llama3', 'factor': 8.0}), "rope_scaling lacks low_freq_factor"),
+    ('llama_gqa', dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0}),
+     r"rope_parameters=.* \(rope_type 'yarn': model.py has plain RoPE and Llama 3's scaling"),
+    ('llama_gqa', dict(rope_scaling={'type': 'linear', 'factor': 2.0}), r"rope_scaling=.* \(rope_type 'linear'"),
+    ('llama_gqa', dict(rope_scaling={'rope_type': 'dynamic', 'factor': 2.0}), r"rope_scaling=.* \(rope_type 'dynamic'"),
+    ('llama_gqa', dict(rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0] * 8, 'long_factor': [2.0] * 8}),
+     r"rope_scaling=.* \(rope_type 'longrope'"),
+    ('llama3_rope', dict(rope_scaling={**LLAMA3_SMALL, 'attention_factor': 0.5}),
+     r"rope_scaling=.* \(model.py's RoPE has no attention_factor\)"),
+    ('llama_gqa', dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 .*\(model.py rotates whole heads\)"),
     ('llama_gqa', dict(attention_bias=True), "attention_bias=True"),
     ('llama_gqa', dict(mlp_bias=True), "mlp_bias=True"),
     ('llama_gqa', dict(hidden_act='gelu'), "hidden_act='gelu'"),
     ('llama_gqa', dict(model_type='mistral'), "model_type='mistral'"),
-    ('llama_gqa', dict(intermediate_size=256), "intermediate_size=256, but model.py derives 192"),
     ('llama_gqa', dict(quantization_config={'quant_method': 'fp8'}), "quantization_config="),
     ('llama_gqa', dict(hidden_size=None), "lacks hidden_size"),
     ('qwen3', dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True"),
     ('qwen3', dict(layer_types=['sliding_attention', 'full_attention']), "layer_types="),
-    ('qwen3', dict(head_dim=32), "head_dim=32, but model.py derives 16"),
+    ('qwen3', dict(head_dim=3), r"GPTConfig: head_dim=3 .*must be even"),
 ])
 def test_refused_hf_configs_name_the_field(hf_dirs, tmp_path, model, changes, message):
     path = edit_config(hf_dirs[model], tmp_path / 'hf', **changes)
@@ -238,6 +363,8 @@ def test_refused_hf_configs_name_the_field(hf_dirs, tmp_path, model, changes, me
     ('--tie_embeddings=True', r"tie_embeddings=True contradicts the model's tie_embeddings=False \(tie_word_emb"),
     ('--mlp=gelu', r"mlp='gelu' contradicts the model's mlp='swiglu' \(hidden_act"),
     ('--rope_base=10000.0', r"rope_base=10000.0 contradicts the model's rope_base=500000.0 \(rope_theta"),
+    ('--head_dim=32', r"head_dim=32 contradicts the model's head_dim=16 \(head_dim in"),
+    ('--mlp_hidden=256', r"mlp_hidden=256 contradicts the model's mlp_hidden=192 \(intermediate_size in"),
     ('--block_size=128', "block_size=128 is longer than max_position_embeddings=64"),
     ('CONFIG_FILE', r"n_head=2 contradicts the model's n_head=4 \(num_attention_heads"),
 ])
@@ -247,6 +374,26 @@ def test_contradicting_shape_keys_are_errors(hf_dirs, tmp_path, flag, message):
         (tmp_path / 'config.py').write_text('n_head = 2\n')
     with pytest.raises(ConfigError, match=message):
         train.main(FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--out_dir={tmp_path}', flag])
+
+
+@pytest.mark.parametrize('model, flags, contradiction', [
+    ('llama_gqa', ['--head_dim=16', '--mlp_hidden=192', '--n_kv_head=2'], None),  # as config.json has them
+    ('llama_gqa', ['--head_dim=0', '--mlp_hidden=0'], None),  # derived, to what config.json has
+    ('qwen3_wide', ['--head_dim=32', '--mlp_hidden=96'], None),
+    ('qwen3_wide', ['--head_dim=0'], "head_dim=0 contradicts the model's head_dim=32"),  # 0 means 64 / 4 = 16
+    ('qwen3_wide', ['--mlp_hidden=0'], "mlp_hidden=0 contradicts the model's mlp_hidden=96"),  # 0 means 192
+])
+def test_shape_keys_are_read_as_gptconfig_reads_them(hf_dirs, model, flags, contradiction):
+    """A 0 that GPTConfig derives from the width agrees with config.json when the derived value is its value."""
+    argv = [f'--init_from=hf:{hf_dirs[model]}', '--block_size=32', *flags]
+    cfg = train.SimpleNamespace(**train.configure(train.DEFAULTS, argv))
+    if contradiction:
+        with pytest.raises(ConfigError, match=contradiction):
+            train.model_shape(cfg, argv)
+    else:
+        shape = train.model_shape(cfg, argv)
+        assert {k: shape[k] for k in ('head_dim', 'mlp_hidden')} == {'head_dim': 16, 'mlp_hidden': 192} \
+            if model == 'llama_gqa' else {'head_dim': 32, 'mlp_hidden': 96}
 
 
 def test_data_vocabulary_must_fit_the_model(hf_dirs, tmp_path):
@@ -329,6 +476,12 @@ EXPORTS = {  # name: GPTConfig arguments beyond the common ones
     'gqa_untied': dict(n_kv_head=2, tie_embeddings=False),
     'qk_norm_gqa_tied': dict(n_kv_head=1, qk_norm=True, tie_embeddings=True),
     'qk_norm_mha_untied': dict(n_kv_head=4, qk_norm=True, tie_embeddings=False),
+    # sizes set apart from the width, and Llama 3's RoPE scaling (pretraining length 16 of the block's 48)
+    'llama3_rope_wide_heads': dict(n_kv_head=2, head_dim=32, mlp_hidden=96, rope_scaling_factor=8.0,
+                                   rope_original_max_len=16, tie_embeddings=False),
+    'qk_norm_llama3_rope_narrow_heads': dict(n_kv_head=2, qk_norm=True, head_dim=8, mlp_hidden=128,
+                                             rope_scaling_factor=2.0, rope_low_freq_factor=2.0,
+                                             rope_high_freq_factor=8.0, rope_original_max_len=24),
 }
 CHAR_META = dict(tokenizer='char', vocab_size=100, chars=''.join(chr(0x100 + i) for i in range(100)))
 
@@ -367,6 +520,20 @@ def test_export_loads_in_transformers_with_our_logits_and_tokens(tmp_path, name,
     assert 'transformers cannot express' in capsys.readouterr().out
     assert json.loads((tmp_path / 'hf' / 'char_vocab.json').read_text()) == list(CHAR_META['chars'])
     assert not os.path.exists(tmp_path / 'hf' / 'tokenizer.json')
+
+
+@pytest.mark.parametrize('name', ['qwen3_wide', 'llama3_rope'])
+def test_hf_model_exports_back_as_it_came(hf_dirs, tmp_path, name):
+    """In and out: a Hugging Face model read by model.py and exported again is, for transformers, the model it came
+    from: its config (head_dim, intermediate_size, RoPE parameters), our logits and greedy tokens."""
+    ours = ours_from_hf(hf_dirs[name])
+    train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': ours.state_dict(), 'model_args': ours.config.to_dict(),
+                                                      'meta': CHAR_META})
+    export.main([f'--out_dir={tmp_path}'])
+    assert_same_as_transformers(ours, tmp_path / 'hf', type(hf_model(hf_dirs[name])).__name__)
+    src, out = (transformers.AutoConfig.from_pretrained(d) for d in (hf_dirs[name], tmp_path / 'hf'))
+    for key in ('head_dim', 'intermediate_size', 'rope_parameters', 'num_key_value_heads', 'tie_word_embeddings'):
+        assert getattr(out, key) == getattr(src, key), key
 
 
 def test_export_bfloat16_and_refusals(tmp_path):

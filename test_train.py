@@ -116,13 +116,15 @@ def reference_attention(attn, config, x, cos, sin):
     return F.linear(y.transpose(1, 2).reshape(B, T, H * D), attn.proj.weight)
 
 
-@pytest.mark.parametrize('n_kv_head, qk_norm', [(4, False), (2, False), (1, False), (2, True), (4, True)],
-                         ids=['mha', 'gqa', 'mqa', 'gqa-qknorm', 'mha-qknorm'])
+@pytest.mark.parametrize('n_kv_head, qk_norm, head_dim', [(4, False, 0), (2, False, 0), (1, False, 0), (2, True, 0),
+                                                       (4, True, 0), (2, True, 24)],
+                         ids=['mha', 'gqa', 'mqa', 'gqa-qknorm', 'mha-qknorm', 'gqa-qknorm-wide-heads'])
 @pytest.mark.parametrize('dtype, tol', [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=['f64', 'f32'])
-def test_attention_matches_explicit_reference(n_kv_head, qk_norm, dtype, tol):
+def test_attention_matches_explicit_reference(n_kv_head, qk_norm, head_dim, dtype, tol):
     # Reference: reference_attention above (three F.linear calls, repeat_interleave'd kv heads,
-    # explicit masked softmax), against the fused-QKV module that goes through SDPA (enable_gqa).
-    config = tiny_config(n_head=4, n_kv_head=n_kv_head, qk_norm=qk_norm, n_embd=64)
+    # explicit masked softmax), against the fused-QKV module that goes through SDPA (enable_gqa). Wide heads:
+    # head_dim set apart from the width (4 x 24 = 96 channels of attention in a model 64 wide), as in Qwen3.
+    config = tiny_config(n_head=4, n_kv_head=n_kv_head, qk_norm=qk_norm, n_embd=64, head_dim=head_dim)
     torch.manual_seed(0)
     attn = CausalSelfAttention(config).to(dtype).eval()
     randomize_norms(attn)
@@ -357,6 +359,10 @@ def test_loss_matches_hand_computed_cross_entropy(label_smoothing):
     (dict(n_embd=32, n_head=4, n_kv_head=3), 'n_kv_head'),
     (dict(n_embd=30, n_head=4), 'n_embd'),
     (dict(n_embd=12, n_head=4), 'head_dim'),  # head_dim 3 is odd
+    (dict(head_dim=-2), 'head_dim'),
+    (dict(mlp_hidden=-64), 'mlp_hidden'),
+    (dict(rope_scaling_factor=0.5), 'rope_scaling_factor'),  # slows nothing down: less than 1
+    (dict(rope_scaling_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), 'rope_scaling_factor'),
     (dict(mlp='relu'), 'mlp'),
     (dict(n_layer=0), 'n_layer'),
     (dict(dropout=1.0), 'dropout'),
@@ -413,7 +419,8 @@ def test_forward_rejects_sequences_longer_than_block_size():
 
 
 @pytest.mark.parametrize('overrides', [dict(), dict(tie_embeddings=False, mlp='gelu'),
-                                       dict(n_kv_head=1, n_layer=3), dict(mlp='geglu', n_kv_head=2)])
+                                       dict(n_kv_head=1, n_layer=3), dict(mlp='geglu', n_kv_head=2),
+                                       dict(n_kv_head=2, head_dim=24, mlp_hidden=40)])  # sizes apart from the width
 def test_flops_per_token(overrides):
     # Reference: the matmul weights counted from the config by hand (qkv, proj, mlp up/down, lm_head;
     # the tied lm_head still does a matmul), times 6, plus the PaLM attention term 12 * L * H * D * T.

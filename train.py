@@ -84,6 +84,8 @@ n_layer = 12
 n_head = 12
 n_kv_head = 0                   # 0: n_head (multi-head attention); fewer: grouped-query attention
 n_embd = 768
+head_dim = 0                    # channels per attention head; 0: n_embd // n_head
+mlp_hidden = 0                  # the MLP's hidden width; 0: 8/3 n_embd (4 n_embd for gelu), a multiple of 64
 block_size = 1024
 vocab_size = 0                  # 0: the dataset's vocabulary, rounded up to a multiple of 64
 dropout = 0.0
@@ -659,8 +661,10 @@ CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpoint
 RANGES = [
     (('batch_size', 'block_size', 'gradient_accumulation_steps', 'n_layer', 'n_head', 'n_embd', 'eval_interval',
       'eval_iters', 'log_interval', 'max_nonfinite_steps'), lambda v, c: v >= 1, 'at least 1'),
-    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size'), lambda v, c: v >= 0,
+    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size', 'mlp_hidden'), lambda v, c: v >= 0,
      'at least 0 (see its comment at the top of train.py for what 0 means)'),
+    (('head_dim',), lambda v, c: v >= 0 and v % 2 == 0,
+     '0 (n_embd // n_head) or a positive even number (RoPE rotates channel pairs)'),
     (('learning_rate',), lambda v, c: v > 0, 'greater than 0'),
     (('weight_decay', 'grad_clip'), lambda v, c: v >= 0, 'at least 0 (grad_clip=0 disables clipping)'),
     # min_lr above learning_rate would turn the cosine "decay" into a rise after warmup: never what was meant
@@ -851,11 +855,12 @@ def start_or_resume(r):
     if mismatch:  # same-sized vocabularies pass the shape check, and every id would mean another token
         raise TrainError(f"{r.ckpt_path} was trained on another vocabulary than {cfg.data_dir}: {mismatch}. Resume "
                          f"or finetune only on data prepared with the checkpoint's tokenizer and vocabulary")
-    shape_diff = config_diff(ckpt['model_args'], r.model_config.to_dict(), SHAPE_KEYS)
+    shape_diff = config_diff(complete_model_args(ckpt['model_args']), r.model_config.to_dict(), SHAPE_KEYS)
     if shape_diff:
         raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
                          + "\n".join(shape_diff) + "\nresume with the config the run started with")
-    changed = config_diff(ckpt['config'], vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
+    # a setting that the checkpoint's version lacked had its default's behaviour then
+    changed = config_diff({**DEFAULTS, **ckpt['config']}, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
     set_model_state_dict(r.model, ckpt['model'], options=FULL_STATE)
@@ -868,6 +873,15 @@ def start_or_resume(r):
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
+
+
+def complete_model_args(model_args):
+    """A checkpoint's model_args with every field of GPTConfig, sizes derived as GPTConfig derives them: what an
+    older checkpoint lacks takes its default, which rebuilds the model it saved."""
+    try:
+        return GPTConfig(**model_args).to_dict()
+    except (TypeError, ValueError):  # a field this model.py does not know: compared as it is, and named
+        return model_args
 
 
 def vocabulary_mismatch(ckpt_meta, data_meta):
@@ -999,14 +1013,21 @@ def model_shape(cfg, argv):
     except ValueError as e:
         raise TrainError(f"init_from={cfg.init_from}: {e}") from None
     for key, value in shape.items():
-        ours = shape['n_head'] if key == 'n_kv_head' and args.get(key) == 0 else args.get(key)
-        if key in explicit and ours != value:
+        if key in explicit and resolved(shape, key, args.get(key)) != value:
             raise ConfigError(f"{key}={args[key]!r} contradicts the model's {key}={value!r} ({HF_KEYS[key]} in "
                               f"{path}/config.json): leave {key} unset, or set it to the model's")
     if cfg.block_size > max_len:
         raise ConfigError(f"block_size={cfg.block_size} is longer than max_position_embeddings={max_len} of "
                           f"{path}/config.json")
     return {**args, **shape}
+
+
+def resolved(shape, key, value):
+    """What value means for key in a model of this shape: GPTConfig's reading of a 0 (n_kv_head=0 is n_head)."""
+    try:
+        return getattr(GPTConfig(**{**shape, key: value}), key)
+    except ValueError:
+        return value
 
 
 def hf_checkpoint_shape(out_dir):
