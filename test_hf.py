@@ -11,9 +11,12 @@ counts. Nothing is downloaded (HF_HUB_OFFLINE=1).
 
     python -m pytest -q test_hf.py
 """
+import contextlib
 import copy
 import hashlib
+import io
 import json
+import re
 import os
 import shutil
 
@@ -265,15 +268,17 @@ def finetune(hf_dirs, hf_data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp('finetune'))
     argv = FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--data_dir={hf_data}', f'--out_dir={out}',
                        '--n_layer=2', '--max_iters=3']  # n_layer as config.json has it: allowed
-    assert train.main(argv) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train.main(argv) == 0
     first = load(os.path.join(out, 'ckpt.pt'))
     resume = FINETUNE + [f'--data_dir={hf_data}', f'--out_dir={out}', '--max_iters=4', '--init_from=resume']
     assert train.main(resume) == 0
-    return out, first
+    return out, first, printed.getvalue()
 
 
 def test_finetune_starts_from_the_hf_weights(finetune, hf_dirs, hf_data):
-    out, first = finetune
+    out, first, printed = finetune
     path = hf_dirs['llama_gqa']
     theirs = hf_model(path)
     meta = train.read_meta(hf_data)
@@ -296,11 +301,14 @@ def test_finetune_starts_from_the_hf_weights(finetune, hf_dirs, hf_data):
     resumed = load(os.path.join(out, 'ckpt.pt'))
     assert resumed['iter_num'] == 4 and resumed['init_from'] == first['init_from']
     assert resumed['model_args'] == first['model_args']
+    # the start-up report shows the model as built from config.json, not train.py's defaults (768, 0, 10000)
+    for key in ('n_embd', 'n_kv_head', 'rope_base', 'vocab_size'):
+        assert re.search(rf"^  {key} +\= {first['model_args'][key]!r}$", printed, re.M), key
 
 
 def test_sample_decodes_with_the_checkpoints_tokenizer(finetune, tok_dir, capsys):
     """sample.py decodes with the vocabulary in the checkpoint: the tokenizer's directory is gone by now."""
-    out, _ = finetune
+    out, _, _ = finetune
     ckpt = load(os.path.join(out, 'ckpt.pt'))
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
@@ -600,7 +608,7 @@ def test_export_writes_tiktoken_as_a_transformers_tokenizer(tmp_path):
 
 def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
     """A finetuned checkpoint (train.main, data in the trained tokenizer) exports with that tokenizer."""
-    out, _ = finetune
+    out, _, _ = finetune
     export.main([f'--out_dir={out}', f'--hf_dir={tmp_path}'])
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     reference = Tokenizer.from_file(os.path.join(tok_dir, 'tokenizer.json'))

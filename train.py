@@ -1137,8 +1137,10 @@ def plot_metrics(r, final=False):
 def report(r):
     """Print the resolved config, the model and which optimizations are on (and why any is off)."""
     cfg, say, model = r.cfg, r.say, r.model
-    width = max(map(len, DEFAULTS))
-    say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
+    # the model's keys as built: resolved from 0 (n_kv_head, vocab_size, ...) or read from init_from=hf:PATH
+    shown = {**vars(cfg), **r.model_config.to_dict()}
+    width = max(map(len, shown))
+    say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in shown.items()))
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
         f"token, vocab {r.vocab} ({r.meta['tokenizer']}, {r.meta['vocab_size']} used), "
         f"{tokens_per_iter(cfg):,} tokens per iteration")
