@@ -7,6 +7,7 @@ largest micro-batch that fits in GPU memory. Steps, optimizer and data are train
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
     python bench.py --preset=tiny --compile=False    # seconds; presets: tiny, small, gpt2
     python bench.py --batch_size=8 --n_layer=24 --steps=20 --out=bench_h100
+    python bench.py --rungs=8,12 --n_layer=16 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1B
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
 
 The ladder:
@@ -63,7 +64,10 @@ from configurator import ConfigError, configure
 from model import GPT, GPTConfig, apply_rotary
 
 DEFAULTS = dict(
-    mode='ladder',          # 'ladder', or 'fit': the largest micro-batch that fits in GPU memory
+    mode='ladder',          # 'ladder'; 'fit': the largest micro-batch that fits in GPU memory; 'profile': the
+                            # top rung's step under torch.profiler, its kernels by time and by kind
+    rungs='',               # ladder: the rungs to run, by number ('1,8,12'); the others are listed as not run
+                            # but still build the settings of the rungs after them. '' = all
     preset='auto',          # 'auto' (gpt2 on CUDA, small elsewhere), 'tiny', 'small' or 'gpt2'
     device='auto',          # as in train.py
     dtype='auto',           # rung 3: 'auto' (train.pick_dtype), 'bfloat16' or 'float16'
@@ -288,6 +292,13 @@ def ladder(env):
     rows, s, prev, baseline, top = [], dict(BASE), None, None, None
     for i, (name, change) in enumerate(LADDER + MEMORY, start=1):
         top = top or ((s, prev) if i > len(LADDER) else None)  # the memory rungs build on the last rung that ran
+        if env.rungs and i not in env.rungs:
+            mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed
+            trial = {**(top or (s, prev))[0], **{k: mixed if v == 'mixed' else v for k, v in change.items()}}
+            rows.append(dict(rung=i, name=name, precision=precision(trial), settings=trial, status='not run',
+                             reason='not in --rungs', builds_on=None, **{key: None for key, _ in COLUMNS.values()}))
+            s = s if top or why_skip(change, env) else trial  # a rung left out still builds the next ones
+            continue
         base, base_row = top or (s, prev)
         mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed  # what rung 3 is, when it is skipped too
         change = {k: mixed if v == 'mixed' else v for k, v in change.items()}
@@ -307,7 +318,8 @@ def ladder(env):
         if row['status'] == 'ok':
             baseline = baseline or row
             row['speedup_vs_baseline'] = baseline['ms_per_iter'] / row['ms_per_iter']
-            row['speedup_vs_prev'] = base_row['ms_per_iter'] / row['ms_per_iter'] if base_row else 1.0
+            row['speedup_vs_prev'] = (base_row['ms_per_iter'] / row['ms_per_iter'] if base_row else
+                                      None if prev is None and i > 1 else 1.0)
             s, prev = (s, prev) if top else (trial, row)
         print(f"{i:2d} {row['name']:<22} " + (f"{row['ms_per_iter']:9.1f} ms/iter, loss {row['loss']:.5f}"
               if row['status'] == 'ok' else f"{row['status']}: {row['reason']}"), flush=True)
@@ -459,6 +471,13 @@ def setup(argv):
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
+    total = len(LADDER) + len(MEMORY)
+    try:
+        a['rungs'] = sorted({int(r) for r in str(a['rungs']).replace(' ', '').split(',') if r})
+    except ValueError:
+        raise ConfigError(f"rungs={a['rungs']!r}: expected rung numbers separated by commas, e.g. '1,8,12'") from None
+    if any(not 1 <= r <= total for r in a['rungs']):
+        raise ConfigError(f"rungs={a['rungs']}: the ladder's rungs are numbered 1 to {total}")
     a['device'] = train.pick_device(a['device'])
     device_type = torch.device(a['device']).type
     if a['mode'] == 'fit' and device_type != 'cuda':

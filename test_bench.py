@@ -84,6 +84,24 @@ def test_speed_only_rungs_keep_the_baseline_loss(result):
         assert abs(r['loss'] - baseline) < 1e-2, (r['name'], r['loss'], baseline)
 
 
+def test_rungs_runs_only_those_with_the_settings_of_the_whole_ladder(result, tmp_path):
+    # Reference: the whole ladder's rows. A rung run alone (--rungs) has the settings it has in the whole
+    # ladder, the rungs before it included, and so the same loss; the others are listed as not run.
+    full = {r['rung']: r for r in result[0]['rungs']}
+    part = {r['rung']: r for r in run_ladder(str(tmp_path), '--rungs=1,7,10')['rungs']}
+    assert part.keys() == full.keys()
+    for i, r in part.items():
+        assert r['settings'] == full[i]['settings'], i
+        if i in (1, 7, 10):
+            assert r['status'] == 'ok' and abs(r['loss'] - full[i]['loss']) < TOL, i
+        else:
+            assert r['status'] == 'not run' and r['ms_per_iter'] is None, i
+    assert part[7]['speedup_vs_prev'] == pytest.approx(part[1]['ms_per_iter'] / part[7]['ms_per_iter'])
+    for bad, words in (('0,3', 'numbered 1 to 12'), ('x', 'rung numbers separated by commas')):
+        with pytest.raises(bench.ConfigError, match=words):
+            bench.setup([*TINY, f'--rungs={bad}'])
+
+
 class KVSwapped(bench.SeparateQKVAttention):
     def __init__(self, fused):
         super().__init__(fused)
