@@ -4,9 +4,10 @@ to the rung before, then the memory options, each alone on top of the last rung;
 largest micro-batch that fits in GPU memory. Steps, optimizer and data are train.py's.
 
     python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
-    python bench.py                                  # GPU: the 124M GPT-2 shape, batch 16 x 1024 tokens
+    python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
     python bench.py --preset=tiny --compile=False    # seconds; presets: tiny, small, gpt2
     python bench.py --batch_size=8 --n_layer=24 --steps=20 --out=bench_h100
+    python bench.py --rungs=8,12 --n_layer=16 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1B
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
 
 The ladder:
@@ -18,16 +19,24 @@ The ladder:
   4 + SDPA flash     scaled_dot_product_attention picks its kernel (flash / memory-efficient)
   5 + fused QKV      one matmul for q, k and v: model.py's attention
   6 + fused AdamW    the whole optimizer step in one kernel (CUDA only, as configure_optimizer does)
-  7 + torch.compile  the model compiled (default mode)
-  then, each alone on top of rung 7: activation checkpointing 'full' and 'selective', 8-bit AdamW
+  7 + chunked loss   model.py's ChunkedCrossEntropy: the loss a chunk of tokens at a time, never all the
+                     logits at once (rungs 1-6 compute the plain loss over all of them, loss_chunk_tokens=0)
+  8 + torch.compile  the model compiled (default mode)
+  then, each alone on top of rung 8: activation checkpointing 'full' and 'selective', 8-bit AdamW
   (bitsandbytes), FP8 linear layers (torchao; CUDA capability >= 8.9).
 A rung that cannot run here is listed as skipped, with the reason; the ladder goes on from the rung
 before it. All rungs start from the same weights and train on the same batches (data_dir's train.bin, or
 seeded random tokens), so a rung that breaks the math shows in the loss: the float32 rungs agree to ~1e-6.
+A step is one optimizer step of `gradient_accumulation_steps` micro-batches, as in train.py: the gpt2
+preset takes config/train_gpt2.py's 16 x 1024 x 32 = 524,288 tokens per step, so the optimizer, clipping
+and the per-step sync weigh what they weigh in that run (tiny and small: one micro-batch per step, as
+config/train_small.py does; --gradient_accumulation_steps sets it for any preset).
 Each rung: `warmup` steps untimed, then the median of `repeats` device-synchronized timings of `steps`
 steps. MFU: model.estimate_mfu (float32 against the TF32 peak; n/a off A100/H100/H200). Peak memory:
-torch.cuda.max_memory_allocated over the timed steps (n/a on CPU). Written to out/: bench.json, bench.md
-and bench.png (tokens/s and peak memory), with device, torch, model, batch, date and command line.
+torch.cuda.max_memory_allocated over the timed steps (n/a on CPU). Activation memory (activation_mb, on
+every device): the bytes saved for backward in one micro-step, after the timed steps (activation_bytes).
+Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
+torch, model, batch, date and command line.
 """
 import gc
 import json
@@ -37,41 +46,52 @@ import shlex
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.checkpoint import CheckpointPolicy
 
+import model as model_module
 import train
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig, apply_rotary
 
 DEFAULTS = dict(
-    mode='ladder',          # 'ladder', or 'fit': the largest micro-batch that fits in GPU memory
+    mode='ladder',          # 'ladder'; 'fit': the largest micro-batch that fits in GPU memory; 'profile': the
+                            # top rung's step under torch.profiler, its kernels by time and by kind
+    rungs='',               # ladder: the rungs to run, by number ('1,8,12'); the others are listed as not run
+                            # but still build the settings of the rungs after them. '' = all
     preset='auto',          # 'auto' (gpt2 on CUDA, small elsewhere), 'tiny', 'small' or 'gpt2'
     device='auto',          # as in train.py
     dtype='auto',           # rung 3: 'auto' (train.pick_dtype), 'bfloat16' or 'float16'
     compile=True,           # False skips the torch.compile rung (the memory rungs then run eager)
     n_layer=0, n_head=0, n_embd=0, vocab_size=0, block_size=0, batch_size=0,  # 0: the preset's
     warmup=0, steps=0,                                                        # 0: the preset's
-    repeats=3,              # timings of `steps` steps, of which the median counts
+    repeats=3,              # timings of `steps` optimizer steps, of which the median counts
     n_kv_head=0,            # 0: n_head
-    gradient_accumulation_steps=1,
+    gradient_accumulation_steps=0,                                            # 0: the preset's
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
     threads=0,              # torch's CPU threads; 0: its default. NOTE: on a busy machine 1 can be faster
     tokens_per_step=524288,  # fit mode: the tokens of one optimizer step (GPT-2: 0.5M)
     out='bench_out',
 )
-PRESETS = {  # shape, batch and timing
-    'tiny': dict(n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=32, batch_size=4, warmup=1, steps=2),
-    'small': dict(n_layer=4, n_head=4, n_embd=128, vocab_size=128, block_size=128, batch_size=32, warmup=2, steps=10),
-    'gpt2': dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=16, warmup=3,
-                 steps=10)}
+PRESETS = {  # shape, batch and timing (warmup and steps in optimizer steps)
+    'tiny': dict(n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=32, batch_size=4,
+                 gradient_accumulation_steps=1, warmup=1, steps=2),
+    'small': dict(n_layer=4, n_head=4, n_embd=128, vocab_size=128, block_size=128, batch_size=32,
+                  gradient_accumulation_steps=1, warmup=2, steps=10),
+    # config/train_gpt2.py's model and step (a test checks that they agree). A step is 32 micro-steps: by the
+    # FLOPs count about 0.9 s on an H100 at 50% MFU, many times that in the fp32 rungs; so 1 + 3 x 1 per rung
+    'gpt2': dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=16,
+                 gradient_accumulation_steps=32, warmup=1, steps=1)}
 SHAPE = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size', 'block_size')
 
 
@@ -109,18 +129,81 @@ class SeparateQKVAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
+# activation memory: the bytes autograd keeps from the forward pass for the backward pass
+
+def storages(t):
+    """The storages a saved tensor holds: its own, or for a wrapper subclass (FP8's) those of its inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        return [s for name in t.__tensor_flatten__()[0] for s in storages(getattr(t, name))]
+    return [t.untyped_storage()]
+
+
+class SelectiveSaves(TorchDispatchMode):
+    """Selective checkpointing keeps the outputs of the ops its policy saves in a cache of its own, out of
+    sight of the saved-tensor hooks: this sees them, as the policy picks them (on top of its caching mode)."""
+
+    def __init__(self, policy, count):
+        super().__init__()
+        self.policy, self.count = policy, count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.policy(None, func, *args, **kwargs) in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.count(t)
+        return out
+
+
+def activation_bytes(model, forward, eager=True):
+    """forward()'s result and the bytes it saved for backward: every tensor packed by the saved-tensor hooks,
+    each storage once (views and repeats share it), at its storage's full size, except the model's
+    parameters and buffers (weights, not activations; their low-precision copies under autocast do count),
+    and in eager mode what selective checkpointing caches. Compiled, that cache is the graph's saved tensors."""
+    weights = {s.data_ptr() for t in (*model.parameters(), *model.buffers()) for s in storages(t)}
+    held = {}
+
+    def count(t):
+        for s in storages(t):
+            if s.data_ptr() not in weights:
+                held[s.data_ptr()] = s.nbytes()
+        return t
+
+    @contextmanager
+    def on_top(caching, saves):
+        with caching, saves:
+            yield
+
+    real = model_module.create_selective_checkpoint_contexts
+
+    def counted(policy):  # model.py's selective checkpointing contexts, with SelectiveSaves on top
+        caching, cached = real(policy)
+        return on_top(caching, SelectiveSaves(policy, count)), cached
+    model_module.create_selective_checkpoint_contexts = counted if eager else real
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            out = forward()
+    finally:
+        model_module.create_selective_checkpoint_contexts = real
+    return out, sum(held.values())
+
+
+# ----------------------------------------------------------------------------------------------------
 # the rungs: what each one changes, why one cannot run here, and one rung's run
 
-BASE = dict(tf32=False, dtype='float32', attention='math', fused_qkv=False, fused_adamw=False, compile=False,
-            checkpointing='none', optimizer='adamw', fp8=False)
+BASE = dict(tf32=False, dtype='float32', attention='math', fused_qkv=False, fused_adamw=False, chunked_loss=False,
+            compile=False, checkpointing='none', optimizer='adamw', fp8=False)
 LADDER = [('fp32 eager', {}), ('+ TF32', dict(tf32=True)), ('+ bf16 autocast', dict(dtype='mixed')),
           ('+ SDPA flash', dict(attention='auto')), ('+ fused QKV', dict(fused_qkv=True)),
-          ('+ fused AdamW', dict(fused_adamw=True)), ('+ torch.compile', dict(compile=True))]
+          ('+ fused AdamW', dict(fused_adamw=True)), ('+ chunked loss', dict(chunked_loss=True)),
+          ('+ torch.compile', dict(compile=True))]
 MEMORY = [('+ act. ckpt full', dict(checkpointing='full')), ('+ act. ckpt selective', dict(checkpointing='selective')),
           ('+ 8-bit AdamW', dict(optimizer='adamw8bit')), ('+ FP8 linears', dict(fp8=True))]
 # what each rung measures: the table's column, the key in the rung's row (bench.json), the format in the table
 COLUMNS = {'ms/iter': ('ms_per_iter', '{:.1f}'), 'tokens/s': ('tokens_per_sec', '{:,.0f}'), 'MFU': ('mfu', '{:.1%}'),
-           'peak mem MB': ('peak_mem_mb', '{:,.0f}'), 'opt. state MB': ('optimizer_state_mb', '{:,.2f}'),
+           'peak mem MB': ('peak_mem_mb', '{:,.0f}'), 'activations MB': ('activation_mb', '{:,.2f}'),
+           'opt. state MB': ('optimizer_state_mb', '{:,.2f}'),
            'vs baseline': ('speedup_vs_baseline', '{:.2f}x'), 'vs prev': ('speedup_vs_prev', '{:.2f}x'),
            'loss': ('loss', '{:.5f}')}
 
@@ -162,6 +245,7 @@ def run_rung(s, env):
         for block in model.blocks:
             block.attn = SeparateQKVAttention(block.attn)
     model.activation_checkpointing = s['checkpointing']
+    model.loss_chunk_tokens = model.loss_chunk_tokens if s['chunked_loss'] else 0  # 0: the plain loss
     cfg = SimpleNamespace(**{**train.DEFAULTS, **{k: v for k, v in vars(env).items() if k in train.DEFAULTS},
                              'optimizer': s['optimizer'], 'fp8': s['fp8'], 'compile': s['compile'],
                              'activation_checkpointing': s['checkpointing'], 'dtype': s['dtype']})
@@ -191,18 +275,30 @@ def run_rung(s, env):
                 loss = step()[0]
             loss = loss.item()  # waits for the device (CUDA, MPS) to finish
             times.append((time.perf_counter() - t0) / env.steps)
+        x, y = batches.next()  # one more micro-step, untimed, to count what it saves for backward
+        with autocast:
+            micro_loss, saved = activation_bytes(model, lambda: net(x, y)[1], eager=not s['compile'])
+        scaler.scale(micro_loss).backward()
+        optimizer.zero_grad(set_to_none=True)
     ms = 1000 * statistics.median(times)
     tokens_per_sec = env.batch_size * env.block_size * env.gradient_accumulation_steps / (ms / 1000)
     return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
                 mfu=model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size),
                 peak_mem_mb=torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device_type == 'cuda' else None,
-                optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20)
+                activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20)
 
 
 def ladder(env):
     rows, s, prev, baseline, top = [], dict(BASE), None, None, None
     for i, (name, change) in enumerate(LADDER + MEMORY, start=1):
         top = top or ((s, prev) if i > len(LADDER) else None)  # the memory rungs build on the last rung that ran
+        if env.rungs and i not in env.rungs:
+            mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed
+            trial = {**(top or (s, prev))[0], **{k: mixed if v == 'mixed' else v for k, v in change.items()}}
+            rows.append(dict(rung=i, name=name, precision=precision(trial), settings=trial, status='not run',
+                             reason='not in --rungs', builds_on=None, **{key: None for key, _ in COLUMNS.values()}))
+            s = s if top or why_skip(change, env) else trial  # a rung left out still builds the next ones
+            continue
         base, base_row = top or (s, prev)
         mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed  # what rung 3 is, when it is skipped too
         change = {k: mixed if v == 'mixed' else v for k, v in change.items()}
@@ -222,7 +318,8 @@ def ladder(env):
         if row['status'] == 'ok':
             baseline = baseline or row
             row['speedup_vs_baseline'] = baseline['ms_per_iter'] / row['ms_per_iter']
-            row['speedup_vs_prev'] = base_row['ms_per_iter'] / row['ms_per_iter'] if base_row else 1.0
+            row['speedup_vs_prev'] = (base_row['ms_per_iter'] / row['ms_per_iter'] if base_row else
+                                      None if prev is None and i > 1 else 1.0)
             s, prev = (s, prev) if top else (trial, row)
         print(f"{i:2d} {row['name']:<22} " + (f"{row['ms_per_iter']:9.1f} ms/iter, loss {row['loss']:.5f}"
               if row['status'] == 'ok' else f"{row['status']}: {row['reason']}"), flush=True)
@@ -238,10 +335,14 @@ def markdown(rows, meta):
     lines = ["# bench.py: ablation ladder", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
              f"- device: {meta['device']}; torch {meta['torch']}",
              f"- model: {shape}; {meta['params'] / 1e6:.2f}M parameters",
-             f"- batch: {meta['batch_size']} x {meta['block_size']} tokens x {meta['gradient_accumulation_steps']} "
-             f"micro-batches = {meta['tokens_per_iter']:,} tokens/iter; data: {meta['data']}",
+             f"- step (iter): one optimizer step of {meta['batch_size']} x {meta['block_size']} tokens x "
+             f"{meta['gradient_accumulation_steps']} micro-batches = {meta['tokens_per_iter']:,} tokens; "
+             f"{meta['step_note']}",
+             f"- data: {meta['data']}",
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
-             f"peak memory: {meta['memory']}; vs prev: over the rung it builds on; loss: after the timed steps", "",
+             f"peak memory: {meta['memory']}; vs prev: over the rung it builds on; loss: after the timed steps",
+             "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
+             "buffers excluded (bench.activation_bytes)", "",
              '| # | rung | precision | ' + ' | '.join(COLUMNS) + ' | note |',
              '|---:|---|---|' + '---:|' * len(COLUMNS) + '---|']
     for r in rows:
@@ -261,8 +362,9 @@ def plot(rows, meta, path):
         return "no chart: matplotlib is not installed (pip install matplotlib)"
     names = [f"{r['rung']}. {r['name']}" + ('' if r['status'] == 'ok' else f" ({r['status']})") for r in rows]
     memory = 'peak memory (MB)' + ('' if meta['device_type'] == 'cuda' else f": n/a on {meta['device_type']}")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 1.6 + 0.4 * len(rows)), sharey=True)
-    for ax, key, label in zip(axes, ('tokens_per_sec', 'peak_mem_mb'), ('tokens/s', memory)):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 1.6 + 0.4 * len(rows)), sharey=True)
+    for ax, key, label in zip(axes, ('tokens_per_sec', 'peak_mem_mb', 'activation_mb'),
+                              ('tokens/s', memory, 'saved for backward, one micro-step (MB)')):
         ax.barh(names, [r[key] or 0 for r in rows])
         ax.set_xlabel(label)
         ax.set_xlim(left=0)
@@ -298,8 +400,9 @@ def split_step(n, micro_batch):
 
 
 def fit(env):
-    # rung 6: eager, since compile would recompile for every size; compiled code usually needs less memory
-    s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True}
+    # rung 7: eager, since compile would recompile for every size; compiled code usually needs less memory
+    s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True,
+         'chunked_loss': True}
     env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 1  # step 2 holds the states
     n = max(1, env.tokens_per_step // env.block_size)  # sequences per optimizer step: no need to go past them
     print(f"fit: {env.meta['device']}, {env.meta['params'] / 1e6:.1f}M params, block_size {env.block_size}, "
@@ -348,6 +451,19 @@ def device_name(device_type, device):
     return f"{device_type}: {cpu}, {torch.get_num_threads()} threads"
 
 
+def step_note(preset, tokens_per_iter):
+    """Whether a step here is the step of the training config the preset mirrors."""
+    config = {'small': 'config/train_small.py', 'gpt2': 'config/train_gpt2.py'}.get(preset)
+    p = PRESETS[preset]
+    tokens = p['batch_size'] * p['block_size'] * p['gradient_accumulation_steps']
+    if config is None:
+        return 'the tiny preset mirrors no training config'
+    if tokens_per_iter == tokens:
+        return f"as in {config}"
+    return (f"NOT the {tokens:,} tokens per step of {config}: per token, the optimizer step, clipping and the "
+            f"per-step sync weigh {tokens / tokens_per_iter:.3g}x what they weigh in that run")
+
+
 def setup(argv):
     """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
     a = configure(DEFAULTS, argv)
@@ -355,6 +471,13 @@ def setup(argv):
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
+    total = len(LADDER) + len(MEMORY)
+    try:
+        a['rungs'] = sorted({int(r) for r in str(a['rungs']).replace(' ', '').split(',') if r})
+    except ValueError:
+        raise ConfigError(f"rungs={a['rungs']!r}: expected rung numbers separated by commas, e.g. '1,8,12'") from None
+    if any(not 1 <= r <= total for r in a['rungs']):
+        raise ConfigError(f"rungs={a['rungs']}: the ladder's rungs are numbered 1 to {total}")
     a['device'] = train.pick_device(a['device'])
     device_type = torch.device(a['device']).type
     if a['mode'] == 'fit' and device_type != 'cuda':
@@ -384,6 +507,7 @@ def setup(argv):
                     params=model.num_params(), batch_size=env.batch_size, block_size=env.block_size,
                     gradient_accumulation_steps=env.gradient_accumulation_steps,
                     tokens_per_iter=env.batch_size * env.block_size * env.gradient_accumulation_steps,
+                    step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
                     memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
                     else f'n/a on {device_type}')

@@ -1,11 +1,13 @@
 """
-A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block,
+A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block, loss,
 model, then FLOPs/MFU arithmetic and generation.
 
 Features, each findable by name below:
-- GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden) and shape checks in __post_init__.
+- GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden, unless set) and shape checks in
+  __post_init__.
 - RMSNorm (torch's nn.RMSNorm, with a cheaper backward on the CPU), pre-norm residual blocks, no biases.
-- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers.
+- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers; optionally with Llama 3's
+  frequency scaling (llama3_scaling, rope_scaling_factor > 0), as in Llama 3.1 and 3.2.
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
 - MLP: SwiGLU (default), GeGLU, GELU or ReLU^2.
@@ -13,8 +15,10 @@ Features, each findable by name below:
   (or zero: zero_init_proj); optional logit soft-capping (softcap).
 - Activation checkpointing (`model.activation_checkpointing`): 'full' recomputes each block in backward;
   'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
+- The loss without the full logits (ChunkedCrossEntropy, `model.loss_chunk_tokens`): the head's matmul,
+  cross-entropy and their gradients a chunk of tokens at a time; forward returns logits only without targets.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
-  device's bf16 peak (A100, H100, H200; None for unknown devices).
+  device's peak (PEAK_FLOPS: A100, H100, H200, H800, GH200, L40S, L40, L4, RTX 4090; None elsewhere).
 - generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().
 """
 import math
@@ -24,7 +28,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass
@@ -44,8 +48,14 @@ class GPTConfig:
     logit_softcap: float = 0.0   # > 0: logits = logit_softcap * tanh(logits / logit_softcap); 0: off
     zero_init_proj: bool = False  # attn.proj and mlp.down, which write into the residual stream, start at zero
     # derived in __post_init__
-    head_dim: int = 0
-    mlp_hidden: int = 0
+    head_dim: int = 0          # 0: n_embd // n_head; set apart from the width in Qwen3 (128 at width 1024, 16 heads)
+    mlp_hidden: int = 0        # 0: 8/3 n_embd (4 n_embd for gelu) rounded up to a multiple of 64; published models
+                               # set their own (Llama 3.2 1B: 8192 at width 2048, where 8/3 gives 5504)
+    # Llama 3's RoPE scaling (Llama 3.1 and 3.2; llama3_scaling): 0 is off
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192  # the context length of pretraining, before the scaling
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -53,28 +63,38 @@ class GPTConfig:
         for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd'):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be positive")
-        if self.n_embd % self.n_head:
+        for name in ('head_dim', 'mlp_hidden'):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be at least 0 (0: derived)")
+        if self.n_embd % self.n_head and not self.head_dim:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by "
                              f"n_kv_head={self.n_kv_head} (each key/value head serves a group of query heads)")
-        self.head_dim = self.n_embd // self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
         if self.head_dim % 2:
-            raise ValueError(f"GPTConfig: head_dim={self.head_dim} (n_embd/n_head) must be even for RoPE")
+            raise ValueError(f"GPTConfig: head_dim={self.head_dim} (n_embd/n_head unless set) must be even for RoPE")
         if self.mlp not in ('swiglu', 'geglu', 'gelu', 'relu2'):
             raise ValueError(f"GPTConfig: mlp={self.mlp!r}, expected 'swiglu', 'geglu', 'gelu' or 'relu2'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
-        if self.logit_softcap < 0:
+        if not self.logit_softcap >= 0:
             raise ValueError(f"GPTConfig: logit_softcap={self.logit_softcap} must be >= 0 (0: off)")
+        if self.rope_scaling_factor and not (self.rope_scaling_factor >= 1 and self.rope_original_max_len >= 1
+                                             and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"GPTConfig: rope_scaling_factor={self.rope_scaling_factor} with rope_low_freq_factor="
+                             f"{self.rope_low_freq_factor}, rope_high_freq_factor={self.rope_high_freq_factor}, "
+                             f"rope_original_max_len={self.rope_original_max_len}: Llama 3's scaling needs a factor "
+                             f"of at least 1 (0: off), 0 < low < high and a positive length")
         # Gated MLPs have three matrices instead of two: 8/3 * n_embd keeps the parameter count of a
         # 4 * n_embd GELU MLP (Shazeer 2020). Rounded up to a multiple of 64 for the matmul kernels.
         hidden = 4 * self.n_embd if self.mlp in ('gelu', 'relu2') else int(8 * self.n_embd / 3)
-        self.mlp_hidden = 64 * math.ceil(hidden / 64)
+        self.mlp_hidden = self.mlp_hidden or 64 * math.ceil(hidden / 64)
 
     def to_dict(self):
-        """The constructor arguments, without the derived sizes (what a checkpoint stores)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ('head_dim', 'mlp_hidden')}
+        """The constructor arguments, the derived sizes as derived (what a checkpoint stores). A checkpoint written
+        before head_dim, mlp_hidden and the RoPE scaling were fields lacks them: their defaults rebuild its model."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -114,9 +134,30 @@ class _RMSNormFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------
 # rotary position embedding (Su et al. 2021, https://arxiv.org/abs/2104.09864)
 
-def rope_cache(seq_len, head_dim, base):
-    """cos and sin of shape (seq_len, head_dim // 2): position t rotates channel pair i by t * base^(-2i/d)."""
+def llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_len):
+    """Llama 3's RoPE scaling (Llama 3.1 and 3.2; transformers' _compute_llama3_parameters, the same arithmetic):
+    channel pairs whose wavelength 2 pi / inv_freq exceeds original_max_len / low_freq_factor turn factor times
+    slower, so that the longer context spans the angles pretraining saw; those shorter than original_max_len /
+    high_freq_factor stay as they were; in between, a blend linear in original_max_len / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq  # 0: inv_freq / factor, 1: inv_freq as it was
+
+
+def rope_scaling(config):
+    """The adjustment of the frequencies that config asks for: llama3_scaling with its fields, or None (plain RoPE)."""
+    if not config.rope_scaling_factor:
+        return None
+    return partial(llama3_scaling, factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
+                   high_freq_factor=config.rope_high_freq_factor, original_max_len=config.rope_original_max_len)
+
+
+def rope_cache(seq_len, head_dim, base, scaling=None):
+    """cos and sin of shape (seq_len, head_dim // 2): position t rotates channel pair i by t * base^(-2i/d), the
+    frequencies adjusted first by scaling (a function of them: llama3_scaling) when given."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling(inv_freq)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -241,6 +282,67 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# ----------------------------------------------------------------------------------------------------
+# the loss without the full logits. At batch 16 x 1024 and GPT-2's vocabulary the logits are 1.65 GB in bf16,
+# then 3.3 GB in fp32 for the softmax, then their gradient. Here each chunk of tokens takes the head's matmul,
+# its loss and its gradients at once, so one chunk's logits exist at a time and none are kept for backward:
+# the approach of Liger Kernel's fused linear cross-entropy (https://arxiv.org/abs/2410.10989), whose Triton
+# kernels need CUDA; this one is plain PyTorch, runs on any device, and torch.compile fuses its elementwise ops.
+
+LOSS_CHUNK_LOGITS = 2 ** 26  # logits per chunk at most: 1024 tokens of GPT-2's vocabulary, 206 MB in fp32
+
+
+def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0):
+    """The summed cross-entropy of a chunk of tokens, x (N, C) against targets (N,), and its gradient with
+    respect to the chunk's logits (N, V). The one place where the loss meets the logits: soft-capping (cap > 0,
+    see softcap) is applied here, and its derivative, 1 - tanh^2, to the gradient."""
+    logits = F.linear(x, weight)  # (N, V), in the autocast dtype
+    if cap:
+        tanh = torch.tanh(logits / cap)
+        logits = cap * tanh
+    logp = logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 or fp64
+    eps, V = label_smoothing, logp.size(-1)  # the target distribution: 1 - eps on the target, eps / V everywhere
+    loss = -((1 - eps) * logp.gather(1, targets[:, None]).sum() + eps / V * logp.sum())
+    grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
+    grad -= eps / V
+    grad[torch.arange(len(targets), device=grad.device), targets] -= 1 - eps
+    if cap:
+        grad *= 1 - tanh.to(grad.dtype).square()
+    return loss, grad.to(logits.dtype)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of the logits x @ weight.T of N tokens (x: (N, C)), chunk_tokens at a time.
+
+    The gradients are computed in the forward pass, chunk by chunk, and kept for backward, which only scales
+    them: grad_x (N, C) and grad_w (V, C, fp32) instead of the (N, V) logits, and the head's three matmuls run
+    once each, none recomputed. NOTE: what is kept is the gradient of the summed loss; the 1/N of the mean is
+    applied in backward, with the GradScaler's factor, so fp16 gradients do not underflow.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, label_smoothing, chunk_tokens, with_grad, cap=0.0):
+        loss = torch.zeros((), device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        grad_x = torch.empty_like(x) if with_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if with_grad else None
+        for i in range(0, len(x), chunk_tokens):
+            x_c, y_c = x[i:i + chunk_tokens], targets[i:i + chunk_tokens]  # (n, C), (n,)
+            loss_c, grad_logits = cross_entropy_chunk(x_c, weight, y_c, label_smoothing, cap)  # (), (n, V)
+            loss += loss_c
+            if with_grad:
+                grad_x[i:i + chunk_tokens] = grad_logits @ weight  # (n, C)
+                grad_w += grad_logits.t() @ x_c  # (V, C), summed in fp32 over the chunks
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.n_tokens, ctx.weight_dtype = len(x), weight.dtype
+        return loss / len(x)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_loss / ctx.n_tokens
+        return grad_x * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None, None
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -253,10 +355,13 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one matrix embeds tokens and scores them
-        cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base)
+        cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base, rope_scaling(config))
         self.register_buffer('cos', cos, persistent=False)  # recomputed, never saved in checkpoints
         self.register_buffer('sin', sin, persistent=False)
         self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring
+        # tokens per chunk of the loss (ChunkedCrossEntropy): the largest power of two whose logits fit in
+        # LOSS_CHUNK_LOGITS; 0: the plain loss over all the logits at once (bench.py's baseline, the tests' reference)
+        self.loss_chunk_tokens = 2 ** (max(1, LOSS_CHUNK_LOGITS // config.vocab_size).bit_length() - 1)
         self.apply(self._init_weights)
         # GPT-2: the two projections that write into the residual stream get std / sqrt(2 * n_layer),
         # so the residual's variance stays about constant with depth.
@@ -283,7 +388,9 @@ class GPT(nn.Module):
         return parts
 
     def forward(self, idx, targets=None, label_smoothing=0.0, cache=None):
-        """Logits (B, T, vocab_size) and the mean cross-entropy loss when targets are given, else None."""
+        """(logits, loss). Without targets: the logits (B, T, vocab_size) and None. With targets: None and the mean
+        cross-entropy, computed in chunks that never hold all the logits (with loss_chunk_tokens=0: the plain
+        loss, and the logits with it)."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -292,19 +399,26 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
-                context = (partial(create_selective_checkpoint_contexts, _selective_policy)
-                           if self.activation_checkpointing == 'selective' else noop_context_fn)
-                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=context)
+                # NOTE: full checkpointing passes no context_fn at all: dynamo cannot trace an explicit one
+                # (not even torch's own noop_context_fn), and compile would fall back to eager
+                selective = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)}
+                x = checkpoint(block, x, cos, sin, use_reentrant=False,
+                               **(selective if self.activation_checkpointing == 'selective' else {}))
             else:
                 x = block(x, cos, sin, cache, layer)
         if cache is not None:
             cache.pos += T
-        logits = softcap(self.lm_head(self.norm(x)), self.config.logit_softcap)  # (B, T, vocab_size)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   label_smoothing=label_smoothing)
-        return logits, loss
+        x = self.norm(x)
+        if targets is None:
+            return softcap(self.lm_head(x), self.config.logit_softcap), None  # (B, T, vocab_size)
+        if self.loss_chunk_tokens:
+            return None, ChunkedCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                                   label_smoothing, self.loss_chunk_tokens, torch.is_grad_enabled(),
+                                                   self.config.logit_softcap)
+        # the plain loss: all the logits, (B, T, vocab_size), and in fp32 (fp64 stays)
+        logits = softcap(self.lm_head(x), self.config.logit_softcap)
+        logits_32 = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(B * T, -1)
+        return logits, F.cross_entropy(logits_32, targets.reshape(-1), label_smoothing=label_smoothing)
 
     # ------------------------------------------------------------------------------------------------
     # FLOPs and MFU
@@ -324,7 +438,9 @@ class GPT(nn.Module):
         return 6 * matmul_params + 12 * c.n_layer * c.n_head * c.head_dim * T
 
     def estimate_mfu(self, tokens_per_sec, device, dtype='bfloat16', seq_len=None):
-        """Model FLOPs utilization: achieved FLOP/s over the device's peak; None when the peak is unknown."""
+        """Model FLOPs utilization: achieved FLOP/s over the device's peak for dtype (peak_flops); None when
+        the peak is unknown. An FP8 run passes its autocast dtype: its MFU is stated against the bf16 peak, as
+        torchtitan does, so that FP8 and bf16 runs compare on one scale."""
         peak = peak_flops(device, dtype)
         return None if peak is None else self.flops_per_token(seq_len) * tokens_per_sec / peak
 
@@ -381,17 +497,42 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-# dense bf16/fp16 tensor-core peaks from the vendor datasheets, FLOP/s; float32 matmuls run as TF32 at half
-PEAK_BF16_FLOPS = {'A100': 312e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12, 'H200': 989e12}
+# Dense tensor-core peaks per GPU in FLOP/s, (bf16, fp8): bf16/fp16 and fp8 matmuls with fp32 accumulation,
+# which is how PyTorch's and torchao's float8 matmuls run; None: the card has no FP8. The datasheets' headline
+# figures are "with sparsity", twice the dense ones given here. float32 matmuls run as TF32 at half the bf16
+# peak (train.py turns TF32 on).
+_A100 = (312e12, None)             # A100 datasheet: BF16 312 (624 sparse), SXM4 and PCIe, 40 and 80 GB
+_H100_SXM = (989.5e12, 1979e12)    # H100 datasheet, SXM: BF16 1,979, FP8 3,958 sparse; the same in the H200
+                                   # (SXM), H800 (SXM) and GH200 datasheets
+_H100_PCIE = (756.5e12, 1513e12)   # H100 PCIe datasheet (2022): BF16 1,513, FP8 3,026 sparse; H800 PCIe the same
+_H100_NVL = (835.5e12, 1670.5e12)  # H100 datasheet (2024), H100 NVL: BF16 1,671, FP8 3,341 sparse; the same in
+                                   # the H200 datasheet for the H200 NVL (its PCIe card)
+# Ada: L40S datasheet: BF16 362.05, FP8 733 dense; L40 datasheet: BF16 181.05, FP8 362 dense; L4 datasheet:
+# BF16 242, FP8 485 sparse. GeForce RTX 4090: NVIDIA Ada GPU architecture whitepaper, appendix A: BF16 (and FP16)
+# with FP32 accumulate 165.2 dense (FP16 with FP16 accumulate 330.3, which PyTorch does not use; 82.6 is TF32),
+# FP8 with FP32 accumulate 330.3 dense
+PEAK_FLOPS = {
+    # keys: torch.cuda.get_device_name() without its 'NVIDIA ' prefix, matched whole, so that every card gets
+    # its own peak or none (no MFU rather than a wrong one: an unlisted name, a MIG slice, a laptop part)
+    'A100-SXM4-40GB': _A100, 'A100-SXM4-80GB': _A100, 'A100-PCIE-40GB': _A100, 'A100-PCIE-80GB': _A100,
+    'A100 80GB PCIe': _A100,
+    'H100 80GB HBM3': _H100_SXM, 'H100': _H100_SXM, 'H100 PCIe': _H100_PCIE, 'H100 NVL': _H100_NVL,
+    'H200': _H100_SXM, 'H200 NVL': _H100_NVL, 'H200 PCIe': _H100_NVL,
+    'H800': _H100_SXM, 'H800 80GB HBM3': _H100_SXM, 'H800 PCIe': _H100_PCIE,
+    'GH200 480GB': _H100_SXM,
+    'L40S': (362.05e12, 733e12), 'L40': (181.05e12, 362e12), 'L4': (121e12, 242.5e12),
+    'GeForce RTX 4090': (165.2e12, 330.3e12),
+}
 
 
 def peak_flops(device, dtype='bfloat16'):
-    """The peak FLOP/s of a CUDA device for this dtype, or None when it is not in the table."""
+    """The dense peak FLOP/s of a CUDA device for matmuls in this dtype ('bfloat16', 'float16', 'float32' as
+    TF32, 'float8'), or None when the device is not in PEAK_FLOPS or has no such peak."""
     device = torch.device(device)
     if device.type != 'cuda' or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in PEAK_BF16_FLOPS.items():  # 'H100 PCIe' and 'H100 NVL' are matched before 'H100'
-        if key in name:
-            return peak / 2 if dtype == 'float32' else peak
-    return None
+    name = torch.cuda.get_device_name(device).strip()
+    bf16, fp8 = PEAK_FLOPS.get(name[len('NVIDIA '):] if name.startswith('NVIDIA ') else name, (None, None))
+    if dtype == 'float8':
+        return fp8
+    return bf16 / 2 if bf16 is not None and dtype == 'float32' else bf16

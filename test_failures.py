@@ -1,18 +1,22 @@
 """
 Failure tests for train.py: each injects a fault (an interruption, a full disk, a NaN, a hostile or broken
-checkpoint, a changed config, bad data, an earlier run in out_dir) and checks the documented guarantee
-(README, "Resuming and failures") against a reference that a wrong implementation would not meet:
-an uninterrupted run, the bytes of the previous checkpoint, the weights before a skipped step, scripted
-evaluation losses, and so on. Tiny models and datasets; CPU, float32.
+checkpoint, a changed config, bad data, an earlier run in out_dir, data with another vocabulary, an out_dir
+or data file the system refuses, a failed metrics write, a config value out of range) and checks the
+documented guarantee (README, "Resuming and failures") against a reference that a wrong implementation
+would not meet: an uninterrupted run, the bytes of the previous checkpoint, the weights before a skipped
+step, scripted evaluation losses, and so on. Tiny models and datasets; CPU, float32.
 
     python -m pytest -q test_failures.py
 """
 import copy
+import errno
 import glob
 import json
 import math
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -561,6 +565,41 @@ def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_p
     assert lr5 == [pytest.approx(0.001 + 0.5 * (0.02 - 0.001), rel=1e-12)]
 
 
+NEW_MODEL_KEYS = ('head_dim', 'mlp_hidden', 'rope_scaling_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
+                  'rope_original_max_len')
+
+
+def test_checkpoint_from_before_the_size_fields_resumes_and_samples(data, tmp_path, capsys):
+    # A checkpoint written before head_dim, mlp_hidden and the RoPE scaling were GPTConfig fields and settings lacks
+    # them in model_args and config. Reference: the same checkpoint with them. sample.py prints the same text from
+    # both; the old one resumes with no shape difference and no changed setting but max_iters; a changed head_dim
+    # is still a shape difference.
+    import sample
+    new, old = tmp_path / 'new', tmp_path / 'old'
+    assert train.main(args(data, new, '--eval_interval=2', '--max_iters=2')) == 0
+    ckpt = load(new / 'ckpt.pt')
+    assert ckpt['model_args']['head_dim'] == 8 and ckpt['config']['head_dim'] == 0  # n_embd 16, 2 heads
+    old.mkdir()
+    shutil.copy(new / 'metrics.jsonl', old)
+    train.save_checkpoint(str(old / 'ckpt.pt'), {
+        **ckpt, 'model_args': {k: v for k, v in ckpt['model_args'].items() if k not in NEW_MODEL_KEYS},
+        'config': {k: v for k, v in ckpt['config'].items() if k not in NEW_MODEL_KEYS} | {'out_dir': str(old)}})
+    texts = []
+    for out in (new, old):
+        capsys.readouterr()
+        sample.main([f'--out_dir={out}', '--device=cpu', '--num_samples=1', '--max_new_tokens=20',
+                     f"--start={ckpt['meta']['chars'][:3]}"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 20
+    assert train.main(args(data, old, '--eval_interval=2', '--max_iters=4', '--init_from=resume')) == 0
+    stdout = capsys.readouterr().out
+    changed = stdout.split('resuming with changed settings (checkpoint -> now):\n')[1].split('\nresuming from')[0]
+    assert changed.strip() == 'max_iters: 2 -> 4', stdout
+    assert load(old / 'ckpt.pt')['iter_num'] == 4
+    with pytest.raises(train.TrainError, match=r'head_dim: 8 -> 4'):
+        train.main(args(data, new, '--eval_interval=2', '--max_iters=4', '--init_from=resume', '--head_dim=4'))
+
+
 # ----------------------------------------------------------------------------------------------------
 # 7. bad data, caught before training starts
 
@@ -778,3 +817,435 @@ def test_impossible_model_shape_is_a_config_error(data, tmp_path):
     # n_embd=16 with n_head=5: GPTConfig's check, reported as a config error naming the fields
     with pytest.raises(ConfigError, match=r"n_embd=16.*n_head=5"):
         train.main(args(data, tmp_path / 'out', '--n_head=5', '--max_iters=1'))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. vocabularies: a checkpoint resumes only on data whose token ids mean the same tokens
+
+PANGRAM = 'the quick brown fox jumps over the lazy dog\n'  # 26 letters, space and newline: 28 characters
+
+
+@pytest.fixture(scope='module')
+def char_runs(tmp_path_factory):
+    """Three char-level datasets prepared by prepare_data.py and a run of 2 iterations on the first:
+    'a' (28 characters), 'subset' (the same text without q and z: 26 characters, also padded to 64 ids),
+    'new_text' (other lines, the same 28 characters)."""
+    from prepare_data import prepare
+    root = tmp_path_factory.mktemp('vocab')
+    texts = {'a': PANGRAM * 60, 'subset': PANGRAM.replace('q', 'k').replace('z', 's') * 60,
+             'new_text': 'lazy dogs jump over the quick brown fox\n' * 60}
+    for name, text in texts.items():
+        (root / f'{name}.txt').write_text(text)
+        prepare(input=str(root / f'{name}.txt'), tokenizer='char', data_dir=str(root / name))
+    assert train.main(args(root / 'a', root / 'out', '--eval_interval=2', '--max_iters=2')) == 0
+    return root
+
+
+def test_resume_on_another_character_set_of_the_same_size_is_refused(char_runs, tmp_path):
+    # Reference: the two texts' character sets (q and z only in the checkpoint's), the padded vocabulary both
+    # share (64, so the shape check passes), and ckpt.pt and metrics.jsonl as they were.
+    out = tmp_path / 'out'
+    shutil.copytree(char_runs / 'out', out)
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['model_args']['vocab_size'] == 64 and len(ckpt['meta']['chars']) == 28
+    before = read_bytes(out / 'ckpt.pt'), read_bytes(out / 'metrics.jsonl')
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(char_runs / 'subset', out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    msg = str(e.value)
+    assert str(out / 'ckpt.pt') in msg and str(char_runs / 'subset') in msg, msg
+    assert "28 characters, the data 26" in msg and "only in the checkpoint's: 'qz'" in msg, msg
+    assert "only in the data's: none" in msg and '\n' not in msg, msg
+    assert (read_bytes(out / 'ckpt.pt'), read_bytes(out / 'metrics.jsonl')) == before
+
+
+def test_resume_on_new_text_with_the_same_vocabulary_goes_on(char_runs, tmp_path, capsys):
+    # Finetuning: other text, the same characters. The run resumes at iteration 2, says that data_dir
+    # changed, and its checkpoint now names the new data.
+    out = tmp_path / 'out'
+    shutil.copytree(char_runs / 'out', out)
+    capsys.readouterr()
+    assert train.main(args(char_runs / 'new_text', out, '--eval_interval=2', '--max_iters=4',
+                           '--init_from=resume')) == 0
+    stdout = capsys.readouterr().out
+    assert 'at iteration 2' in stdout and f"data_dir: '{char_runs / 'a'}' -> '{char_runs / 'new_text'}'" in stdout
+    ckpt = load(out / 'ckpt.pt')
+    assert ckpt['iter_num'] == 4 and ckpt['meta']['sources'] == [str(char_runs / 'new_text.txt')]
+
+
+CHARS = ''.join(chr(0x100 + i) for i in range(V))
+META = {
+    'char': dict(tokenizer='char', vocab_size=V, chars=CHARS),
+    'char-other': dict(tokenizer='char', vocab_size=V, chars=CHARS[:-1] + 'z'),
+    'char-reordered': dict(tokenizer='char', vocab_size=V, chars=CHARS[::-1]),
+    'gpt2': dict(tokenizer='gpt2', vocab_size=50257, eot_token=50256),
+    'gpt2-other-data': dict(tokenizer='gpt2', vocab_size=50257, eot_token=50256, sources=['other.txt']),
+    'cl100k_base': dict(tokenizer='cl100k_base', vocab_size=100277, eot_token=100257),
+    'hf': dict(tokenizer='hf:a/tokenizer.json', vocab_size=V, tokenizer_sha256='ab' * 32),
+    'hf-same-file-elsewhere': dict(tokenizer='hf:b/tokenizer.json', vocab_size=V, tokenizer_sha256='ab' * 32),
+    'hf-other-file': dict(tokenizer='hf:a/tokenizer.json', vocab_size=V, tokenizer_sha256='cd' * 32),
+}
+
+
+@pytest.mark.parametrize('ckpt, data, needles', [
+    ('char', 'char', None),
+    ('gpt2', 'gpt2-other-data', None),
+    ('hf', 'hf-same-file-elsewhere', None),
+    ('char', 'char-other', ['40 characters, the data 40', f"checkpoint's: {CHARS[-1]!r}", "data's: 'z'"]),
+    ('char', 'char-reordered', ['the same 40 characters, in another order']),
+    ('char', 'gpt2', ['char level (40 characters)', 'tiktoken gpt2']),
+    ('gpt2', 'cl100k_base', ['tiktoken gpt2', 'tiktoken cl100k_base']),
+    ('hf', 'hf-other-file', ['abababababab', 'cdcdcdcdcdcd']),
+    ('hf', 'gpt2', ['hf:a/tokenizer.json', 'tiktoken gpt2']),
+])
+def test_vocabulary_mismatch_names_both(ckpt, data, needles):
+    # Reference: what tells the vocabularies apart (characters, encoding names, tokenizer.json hashes);
+    # None where the ids mean the same tokens (the same tokenizer, other data; the same file elsewhere).
+    msg = train.vocabulary_mismatch(META[ckpt], META[data])
+    if needles is None:
+        assert msg is None
+    else:
+        assert msg and all(s in msg for s in needles) and '\n' not in msg, msg
+
+
+def test_sample_decodes_with_the_checkpoints_vocabulary(data, tmp_path, capsys):
+    # Reference: the text sample.py prints while the training data is in place. It must print the same when
+    # the data directory is gone and when it holds another vocabulary of the same size: the tokenizer comes
+    # from the checkpoint.
+    import sample
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    chars = load(out / 'ckpt.pt')['meta']['chars']
+    argv = [f'--out_dir={out}', '--device=cpu', '--num_samples=2', '--max_new_tokens=30', f'--start={chars[:3]}']
+
+    def sample_text():
+        capsys.readouterr()
+        sample.main(argv)
+        return capsys.readouterr().out
+
+    reference = sample_text()
+    samples = reference.split('\n' + '-' * 80 + '\n')
+    assert samples[-1] == '' and len(samples) == 3
+    assert all(len(s) == 33 and s.startswith(chars[:3]) and set(s) <= set(chars) for s in samples[:2]), samples
+    shutil.rmtree(data)
+    assert sample_text() == reference
+    write_data(data, chars=''.join(chr(0x400 + i) for i in range(V)))
+    assert sample_text() == reference
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11. file-system failures: one line naming the path, before training where they can be seen then
+
+def oserror(code, path=None):
+    return OSError(code, os.strerror(code), *([os.fspath(path)] if path is not None else []))
+
+
+def fail_for(monkeypatch, owner, name, match, code):
+    """Make owner.name(path, ...) raise OSError(code) when match(path), and call through otherwise."""
+    real = getattr(owner, name)
+
+    def fake(path, *a, **k):
+        if match(os.fspath(path)):
+            raise oserror(code, path)
+        return real(path, *a, **k)
+    monkeypatch.setattr(owner, name, fake)
+
+
+def no_model(monkeypatch):
+    """Building the model fails the test: the checks must come before it."""
+    def built(*a, **k):
+        raise AssertionError('the model was built before the failing check')
+    monkeypatch.setattr(train, 'GPT', built)
+
+
+OUT_DIR_FAULTS = ['a-file', 'under-a-file', 'mkdir-EACCES', 'probe-open-EACCES', 'probe-write-ENOSPC',
+                  'probe-fsync-ENOSPC', 'read-only-dir']
+
+
+@pytest.mark.parametrize('fault', OUT_DIR_FAULTS)
+def test_out_dir_that_cannot_be_written_is_an_error_before_the_model(data, tmp_path, monkeypatch, fault):
+    # Reference: the path and the OS's reason in one line, raised before the model is built; no probe file
+    # left behind; a file at out_dir's path untouched.
+    out = tmp_path / 'out'
+    inside = lambda p: os.path.dirname(p) == str(out)  # noqa: E731
+    if fault == 'a-file':
+        out.write_bytes(b'notes')
+        reason = 'is a file, not a directory'
+    elif fault == 'under-a-file':
+        (tmp_path / 'notes').write_bytes(b'notes')
+        out = tmp_path / 'notes' / 'out'
+        reason = 'Not a directory'
+    elif fault == 'mkdir-EACCES':
+        fail_for(monkeypatch, os, 'mkdir', lambda p: p == str(out), errno.EACCES)
+        reason = 'Permission denied'
+    elif fault == 'probe-open-EACCES':
+        fail_for(monkeypatch, os, 'open', inside, errno.EACCES)
+        reason = 'Permission denied'
+    elif fault in ('probe-write-ENOSPC', 'probe-fsync-ENOSPC'):
+        if not os.path.isdir('/proc/self/fd'):
+            pytest.skip('needs /proc to tell which file a descriptor is')
+        name = fault.split('-')[1]
+        real = getattr(os, name)
+
+        def full(fd, *a):
+            if inside(os.readlink(f'/proc/self/fd/{fd}')):
+                raise oserror(errno.ENOSPC)
+            return real(fd, *a)
+        monkeypatch.setattr(os, name, full)
+        reason = 'No space left on device'
+    else:
+        if os.geteuid() == 0:
+            pytest.skip('root writes to read-only directories')
+        out.mkdir()
+        out.chmod(0o555)
+        reason = 'Permission denied'
+    no_model(monkeypatch)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--max_iters=2'))
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert str(out) in msg and reason in msg and '\n' not in msg, msg
+    if out.is_dir():
+        assert os.listdir(out) == []
+    if fault == 'a-file':
+        assert read_bytes(out) == b'notes'
+
+
+@pytest.mark.parametrize('fault', ['meta.json', 'train.bin', 'val.bin', 'chmod-train.bin', 'data_dir-a-file'])
+def test_unreadable_data_is_an_error_naming_the_file(data, tmp_path, monkeypatch, fault):
+    # Reference: the file and the OS's reason, before the model is built and before out_dir is created.
+    out = tmp_path / 'out'
+    if fault == 'data_dir-a-file':
+        shutil.rmtree(data)
+        with open(data, 'w') as f:
+            f.write('notes')
+        path, reason = os.path.join(data, 'meta.json'), 'Not a directory'
+    elif fault.startswith('chmod-'):
+        if os.geteuid() == 0:
+            pytest.skip('root reads files without read permission')
+        path, reason = os.path.join(data, 'train.bin'), 'Permission denied'
+        os.chmod(path, 0)
+    else:
+        path, reason = os.path.join(data, fault), 'Permission denied'
+        import builtins
+        fail_for(monkeypatch, builtins, 'open', lambda p: p == path, errno.EACCES)
+    no_model(monkeypatch)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--max_iters=2'))
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert path in msg and reason in msg and '\n' not in msg, msg
+    assert not out.exists()
+
+
+class HalfWritten:
+    """A file whose write() puts half the text on disk, then fails as a full disk does."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def write(self, text):
+        self.f.write(text[:len(text) // 2])
+        self.f.flush()
+        raise oserror(errno.ENOSPC)
+
+    def writelines(self, lines):
+        self.write(''.join(lines))
+
+
+def metrics_faults(monkeypatch, failing, modes=('a',)):
+    """Opened in one of `modes`, the files named metrics.jsonl* fail: the writes numbered in `failing`
+    (0-based; 'all' for every one) write half their line, then raise ENOSPC."""
+    import builtins
+    real_open, count = builtins.open, {'n': 0}
+
+    def fake(file, mode='r', *a, **k):
+        f = real_open(file, mode, *a, **k)
+        if os.path.basename(os.fspath(file)).startswith('metrics.jsonl') and mode in modes:
+            count['n'] += 1
+            if failing == 'all' or count['n'] - 1 in failing:
+                return HalfWritten(f)
+        return f
+    monkeypatch.setattr(builtins, 'open', fake)
+
+
+@pytest.mark.parametrize('failing', [{3, 4}, 'all'], ids=['two-lines', 'every-line'])
+def test_failed_metrics_writes_warn_and_the_run_goes_on(data, tmp_path, monkeypatch, capsys, failing):
+    # Reference: the same run without the fault: the same weights in ckpt.pt and best.pt (the fault must not
+    # change training), its metrics lines less the lost ones, and never a half line. One warning naming
+    # the file for a stretch of failures; when writes work again, the number of lines lost.
+    flags = ['--eval_interval=3', '--max_iters=6']
+    straight, out = tmp_path / 'straight', tmp_path / 'out'
+    assert train.main(args(data, straight, *flags)) == 0
+    want = deterministic(read_metrics(straight))
+    metrics_faults(monkeypatch, failing)
+    capsys.readouterr()
+    assert train.main(args(data, out, *flags)) == 0
+    monkeypatch.undo()
+    stdout, stderr = capsys.readouterr()
+    warnings = [ln for ln in stderr.splitlines() if 'warning' in ln]
+    assert len(warnings) == 1 and str(out / 'metrics.jsonl') in warnings[0], stderr
+    assert 'No space left on device' in warnings[0]
+    for name in ('ckpt.pt', 'best.pt'):
+        a, b = load(straight / name), load(out / name)
+        assert a['iter_num'] == b['iter_num'] and (name == 'best.pt' or b['iter_num'] == 6)
+        assert_same(a['model'], b['model'], f'{name} model')
+    if failing == 'all':
+        assert read_bytes(out / 'metrics.jsonl') == b''
+    else:
+        assert deterministic(read_metrics(out)) == [r for i, r in enumerate(want) if i not in failing]
+        assert f"{out / 'metrics.jsonl'} is written again; 2 line(s) were lost" in stdout
+
+
+def test_failed_metrics_rewrite_on_resume_loses_nothing(data, tmp_path, monkeypatch):
+    # A resume rewrites metrics.jsonl without the lines logged after the checkpoint. A full disk during that
+    # rewrite is an error naming the file, and metrics.jsonl and ckpt.pt keep every byte.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=4', '--max_iters=6')) == 0
+    torch.save({**load(out / 'ckpt.pt'), 'iter_num': 4}, out / 'ckpt.pt')  # a checkpoint older than the log
+    before = read_bytes(out / 'metrics.jsonl'), read_bytes(out / 'ckpt.pt')
+    metrics_faults(monkeypatch, 'all', modes=('w', 'a', 'r+', 'wb', 'ab'))
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=4', '--max_iters=8', '--init_from=resume'))
+    monkeypatch.undo()
+    assert str(out / 'metrics.jsonl') in str(e.value) and 'No space left on device' in str(e.value)
+    assert (read_bytes(out / 'metrics.jsonl'), read_bytes(out / 'ckpt.pt')) == before
+    assert sorted(os.listdir(out)) == ['best.pt', 'ckpt.pt', 'metrics.jsonl', 'metrics.png']  # the first run's
+
+
+def test_resume_drops_a_metrics_line_cut_short(data, tmp_path, capsys):
+    # A crash (or a full disk) mid-line leaves half a JSON line at the end of metrics.jsonl. Reference: the
+    # uninterrupted run's lines; the resumed run drops the half line, says so, and logs the same lines.
+    flags = ['--eval_interval=2', '--lr_decay_iters=6']
+    straight, out = tmp_path / 'straight', tmp_path / 'out'
+    assert train.main(args(data, straight, *flags, '--max_iters=6')) == 0
+    assert train.main(args(data, out, *flags, '--max_iters=4')) == 0
+    with open(out / 'metrics.jsonl', 'a') as f:
+        f.write('{"iter": 5, "loss": 3.1')
+    capsys.readouterr()
+    assert train.main(args(data, out, *flags, '--max_iters=6', '--init_from=resume')) == 0
+    assert 'dropped 1 unreadable line' in capsys.readouterr().out
+    assert deterministic(read_metrics(out)) == deterministic(read_metrics(straight))
+
+
+def test_failed_move_of_an_earlier_run_is_an_error_and_keeps_it(data, tmp_path, monkeypatch):
+    # Reference: the earlier run's bytes, still in place after a move that failed; no empty previous-* folder.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    before = run_files(out)
+    fail_for(monkeypatch, shutil, 'move', lambda p: True, errno.EACCES)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=2', '--seed=2'))
+    monkeypatch.undo()
+    assert str(out) in str(e.value) and 'Permission denied' in str(e.value) and '\n' not in str(e.value)
+    assert run_files(out) == before and not glob.glob(str(out / 'previous-*'))
+
+
+def test_out_dir_error_under_torchrun_stops_every_process(data, tmp_path):
+    # Process 0 alone probes out_dir; the other one must not hang at the next collective, nor write.
+    # Reference: both processes end with a one-line error, process 0's naming the path and the reason.
+    out = tmp_path / 'out'
+    out.write_bytes(b'notes')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+           *args(data, out, '--max_iters=2', '--gradient_accumulation_steps=2')]
+    proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS='1'))
+    output = proc.stdout + proc.stderr
+    errors = re.findall(r'^train\.py: error: (.*)$', output, re.M)
+    assert proc.returncode != 0 and len(errors) == 2, output[-3000:]
+    assert sum(f'out_dir {out} is a file, not a directory' in e for e in errors) == 1, errors
+    assert read_bytes(out) == b'notes'
+
+
+# ----------------------------------------------------------------------------------------------------
+# 12. config values out of range: an error naming the key before anything is read or built
+
+NAN, INF = float('nan'), float('inf')
+BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 is left out: it may come to mean all)
+    'batch_size': [0, -1], 'block_size': [0, -8], 'gradient_accumulation_steps': [0, -2], 'n_layer': [0, -1],
+    'n_head': [0, -2], 'n_embd': [0, -16], 'eval_interval': [0, -1], 'eval_iters': [-1], 'log_interval': [0, -1],
+    'max_nonfinite_steps': [0, -1], 'max_iters': [-1], 'warmup_iters': [-1], 'lr_decay_iters': [-1],
+    'n_kv_head': [-1], 'vocab_size': [-64], 'seed': [-1, 2**63], 'head_dim': [-2, 3], 'mlp_hidden': [-1],
+    'learning_rate': [0.0, -1e-3, NAN, INF], 'min_lr': [-1e-5, 0.02, NAN, INF],
+    'weight_decay': [-0.1, NAN, INF], 'grad_clip': [-1.0, NAN, INF],
+    'dropout': [-0.1, 1.0, NAN, INF], 'label_smoothing': [-0.1, 1.0, NAN, INF],
+    'beta1': [-0.1, 1.0, NAN, INF], 'beta2': [-0.5, 1.0, 1.5, NAN],
+    'rope_base': [1.0, 0.5, 0.0, -10000.0, NAN, INF],
+    'out_dir': [''], 'data_dir': [''],
+    'init_from': ['resum'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
+    'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'],
+    'device': ['gpu', 'meta', 'cuda', 'cuda:7', 'mps'],
+}
+
+
+def test_every_numeric_setting_has_a_range():
+    # A new int or float setting must get a range in train.RANGES, and a bad value here.
+    numeric = {k for k, v in train.DEFAULTS.items() if type(v) in (int, float)}
+    ranged = {k for keys, _, _ in train.RANGES for k in keys}
+    assert numeric <= ranged, f"no range for {sorted(numeric - ranged)}"
+    assert ranged | set(train.CHOICES) | {'device'} == set(BAD_VALUES)
+
+
+@pytest.mark.parametrize('key, value', [(k, v) for k, values in BAD_VALUES.items() for v in values])
+def test_bad_value_is_an_error_naming_the_key_before_anything_is_read(data, tmp_path, monkeypatch, key, value):
+    # Reference: the key and the value at the start of a one-line ConfigError; no data read, no out_dir made.
+    # NaN has no literal, so each value is put in after configure() parsed the flags.
+    real = train.configure
+    monkeypatch.setattr(train, 'configure', lambda defaults, argv: {**real(defaults, argv), key: value})
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # the same answer on a GPU machine
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: False)
+
+    def read_meta(*a):
+        raise AssertionError('the data was read before the config was checked')
+    monkeypatch.setattr(train, 'read_meta', read_meta)
+    out = tmp_path / 'out'
+    with pytest.raises(ConfigError) as e:
+        train.main(args(data, out, '--max_iters=2'))
+    msg = str(e.value)
+    assert msg.startswith(f'{key}={value!r}') and '\n' not in msg, msg
+    assert not out.exists()
+
+
+def test_bad_value_from_the_command_line(data, tmp_path):
+    # The same through the flags: 1e999 is how a literal reaches inf; min_lr above learning_rate names both.
+    with pytest.raises(ConfigError, match=r'^learning_rate=inf: must be finite and greater than 0'):
+        train.main(args(data, tmp_path / 'out', '--learning_rate=1e999'))
+    with pytest.raises(ConfigError, match=r'^min_lr=0\.5: .*learning_rate \(0\.01\)'):
+        train.main(args(data, tmp_path / 'out', '--min_lr=0.5'))
+
+
+EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run
+    'zeros': ['--grad_clip=0', '--dropout=0', '--label_smoothing=0', '--weight_decay=0', '--beta1=0', '--beta2=0',
+              '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1',
+              '--head_dim=0', '--mlp_hidden=0'],
+    'warmup_iters=0': ['--warmup_iters=0'], 'min_lr=learning_rate': ['--min_lr=1e-2'], 'max_iters=0': ['--max_iters=0'],
+}
+
+
+@pytest.mark.parametrize('edge', EDGES)
+def test_valid_edge_values_still_run(data, tmp_path, edge):
+    # Reference: the schedule and the loop by hand: 3 steps, evaluations at 0 and 2 and the final 3 saved;
+    # warmup_iters=0 starts at learning_rate, min_lr=learning_rate stays there; max_iters=0 only evaluates.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=3', *EDGES[edge])) == 0
+    lines, ckpt = read_metrics(out), load(out / 'ckpt.pt')
+    if edge == 'max_iters=0':
+        assert ckpt['iter_num'] == 0 and [r['iter'] for r in lines] == [0]
+        return
+    assert ckpt['iter_num'] == 3 and all_finite(ckpt['model'])
+    assert [r['iter'] for r in lines if 'loss' in r] == [1, 2, 3]
+    assert all(math.isfinite(r['loss']) for r in lines if 'loss' in r)
+    lrs = [r['lr'] for r in lines if 'lr' in r]
+    if edge == 'warmup_iters=0':
+        assert lrs[0] == pytest.approx(1e-2, rel=1e-12)
+    if edge == 'min_lr=learning_rate':  # warmup over 2 iterations, then constant
+        assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2], rel=1e-12)

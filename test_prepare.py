@@ -5,7 +5,9 @@ Python's own sorted character set, tiktoken's encode_ordinary of the whole file,
     python -m pytest -q test_prepare.py
 """
 import glob
+import gzip
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -329,3 +331,222 @@ def test_bpe_decode_of_an_id_without_a_token():
     ids = encode('hello world')
     assert decode(ids + [100261] + ids) == 'hello world\ufffdhello world'
     assert decode(ids) == 'hello world'
+
+# -----------------------------------------------------------------------------
+# record files: JSON lines and Parquet
+
+
+def documents():
+    """Documents that test the edges: no final newline, empty, unicode, one longer than a tiny chunk,
+    and runs without newlines, so that the split can fall at a newline or at a document's end."""
+    docs = [random_text(seed, 40 + 25 * seed) for seed in range(12)]
+    docs[1], docs[4], docs[7] = 'no newline at the end', '', 'naïve 日本語 😀 ' * 40 + 'über'
+    return docs + ['tail document, no newline ' * 3] * 3
+
+
+def write_records(tmp_path, docs, kind, **extra):
+    """docs as one record file of `kind` (jsonl, jsonl.gz, json.gz, parquet), with an extra field."""
+    path = str(tmp_path / f'docs.{kind}')
+    if kind == 'parquet':
+        pa, pq = pytest.importorskip('pyarrow'), pytest.importorskip('pyarrow.parquet')
+        table = pa.table({'id': list(range(len(docs))), 'text': docs, **extra})
+        pq.write_table(table, path, row_group_size=4)  # several row groups
+        return path
+    lines = ''.join(json.dumps({'id': i, 'text': d, **extra}) + '\n' for i, d in enumerate(docs))
+    with (gzip.open if kind.endswith('.gz') else open)(path, 'wt', encoding='utf-8') as f:
+        f.write(lines)
+    return path
+
+
+def expected_doc_split(docs, val_fraction):
+    """The spec, in bytes of the documents' text: val starts after the first newline at or after the
+    target, or at the first document end at or after it, whichever comes first."""
+    data, ends, at = b''.join(d.encode() for d in docs), [], 0
+    for d in docs:
+        at += len(d.encode())
+        ends.append(at)
+    target = int(len(data) * (1 - val_fraction))
+    i = data.find(b'\n', target)
+    return min([i + 1] * (i >= 0) + [e for e in ends if e >= target])
+
+
+def reference_split_tokens(enc, docs, k):
+    """tiktoken on each document, an eot after each; the document that holds byte k of the text is
+    encoded in two parts, and a document that ends at k is train's."""
+    train, val, at = [], [], 0
+    for d in docs:
+        data = d.encode()
+        head = data[:max(k - at, 0)]
+        if at + len(data) <= k:
+            train += enc.encode_ordinary(d) + [enc.eot_token]
+        elif at >= k:
+            val += enc.encode_ordinary(d) + [enc.eot_token]
+        else:
+            train += enc.encode_ordinary(head.decode())
+            val += enc.encode_ordinary(data[len(head):].decode()) + [enc.eot_token]
+        at += len(data)
+    return train, val
+
+
+@pytest.mark.parametrize('kind', ['jsonl', 'jsonl.gz', 'json.gz', 'parquet'])
+@pytest.mark.parametrize('val_fraction, at_doc_end', [(0.1, False), (0.01, True)])
+def test_records_give_the_tokens_of_the_same_documents_as_text_files(tmp_path, kind, val_fraction, at_doc_end):
+    enc = cl100k_offline()
+    docs = documents()
+    text_dir = tmp_path / 'text'
+    for i, d in enumerate(docs):
+        write(text_dir / f'{i:03d}.txt', d)
+    prepare(str(text_dir), 'cl100k_base', str(tmp_path / 'from_text'), val_fraction)
+    meta = prepare(write_records(tmp_path, docs, kind), 'cl100k_base', str(tmp_path / 'out'), val_fraction)
+    assert meta['text_field'] == 'text' and 'text_field' not in load(tmp_path / 'from_text')[0]
+    for name in ('train.bin', 'val.bin'):
+        assert (tmp_path / 'out' / name).read_bytes() == (tmp_path / 'from_text' / name).read_bytes(), name
+    meta, train, val = load(tmp_path / 'out')
+    k = expected_doc_split(docs, val_fraction)
+    ends = set(itertools.accumulate(len(d.encode()) for d in docs))
+    assert (k in ends) == at_doc_end  # each way to split is tested
+    assert (train.tolist(), val.tolist()) == reference_split_tokens(enc, docs, k)
+
+
+@pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base'])
+def test_mixed_inputs_streamed_in_tiny_chunks(tmp_path, monkeypatch, tokenizer):
+    # reference: the same documents, each in a text file; then the same inputs read 300 bytes at a time
+    # (records batched, text files cut at a newline between visible characters, which needs a few hundred
+    # bytes of random_text) on 1 thread must give byte-identical files
+    if tokenizer != 'char':
+        cl100k_offline()
+    docs = documents()
+    parts = [docs[:3], docs[3:6], docs[6:9], docs[9:11], docs[11:]]
+    (tmp_path / 'mixed').mkdir()
+    inputs = [write_records(tmp_path / 'mixed', parts[0], 'parquet'),
+              write(tmp_path / 'mixed' / 'b.txt', ''.join(parts[1][:1])),
+              write_records(tmp_path / 'mixed', parts[1][1:] + parts[2], 'jsonl.gz'),
+              write(tmp_path / 'mixed' / 'c.md', parts[3][0]), write(tmp_path / 'mixed' / 'd.txt', parts[3][1]),
+              write_records(tmp_path / 'mixed', parts[4], 'jsonl')]
+    for i, d in enumerate(docs):
+        write(tmp_path / 'text' / f'{i:03d}.txt', d)
+    prepare(str(tmp_path / 'text'), tokenizer, str(tmp_path / 'from_text'), 0.1)
+    meta = prepare(','.join(inputs), tokenizer, str(tmp_path / 'whole'), 0.1)
+    assert meta['sources'] == inputs
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 300)
+    prepare(','.join(inputs), tokenizer, str(tmp_path / 'chunked'), 0.1, threads=1)
+    for name in ('train.bin', 'val.bin'):
+        reference = (tmp_path / 'from_text' / name).read_bytes()
+        assert (tmp_path / 'whole' / name).read_bytes() == reference, name
+        assert (tmp_path / 'chunked' / name).read_bytes() == reference, name
+    assert (tmp_path / 'whole' / 'meta.json').read_bytes() == (tmp_path / 'chunked' / 'meta.json').read_bytes()
+    if tokenizer == 'char':  # no eot: the documents' characters, one after another
+        meta, train, val = load(tmp_path / 'whole')
+        assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == ''.join(docs)
+
+
+def bad_jsonl(tmp_path, line):
+    good = ''.join(json.dumps({'text': f'document {i}\n'}) + '\n' for i in range(5))
+    return write(tmp_path / 'bad.jsonl', good + '\n' + line + '\n' + good)  # a blank line 6, the bad one 7
+
+
+def bad_parquet(tmp_path, **columns):
+    pa, pq = pytest.importorskip('pyarrow'), pytest.importorskip('pyarrow.parquet')
+    path = str(tmp_path / 'bad.parquet')
+    pq.write_table(pa.table(columns), path, row_group_size=3)
+    return path
+
+
+def truncated_gz(tmp_path):
+    path = write_records(tmp_path, [f'document {i}\n' * 50 for i in range(200)], 'jsonl.gz')
+    data = open(path, 'rb').read()
+    open(path, 'wb').write(data[:len(data) // 2])
+    return path
+
+
+BAD_RECORDS = {
+    'no field': (lambda t: bad_jsonl(t, '{"content": "x", "id": 7}'),
+                 r"bad\.jsonl, line 7: no field 'text' \(fields: content, id\)"),
+    'broken line': (lambda t: bad_jsonl(t, '{"text": "cut off'),
+                    r'bad\.jsonl, line 7: broken JSON at column 18: Invalid control character'),
+    'number': (lambda t: bad_jsonl(t, '{"text": 42}'), r"bad\.jsonl, line 7: field 'text' is not a string but 42"),
+    'null': (lambda t: bad_jsonl(t, '{"text": null}'), r"bad\.jsonl, line 7: field 'text' is not a string but null"),
+    'not an object': (lambda t: bad_jsonl(t, '["text"]'), r'bad\.jsonl, line 7: a JSON object was expected'),
+    'no column': (lambda t: bad_parquet(t, content=['a', 'b']), r"bad\.parquet: no column 'text' \(columns: content\)"),
+    'int column': (lambda t: bad_parquet(t, text=[1, 2]), r"bad\.parquet: column 'text' holds int64, not strings"),
+    'null row': (lambda t: bad_parquet(t, text=['a', 'b', 'c', 'd', None, 'f']),
+                 r"bad\.parquet, row group 1, row 1 \(row 4 of the file\): 'text' is null"),
+    'truncated gz': (truncated_gz, r'docs\.jsonl\.gz: unreadable after line \d+ \(EOFError'),
+    'not parquet': (lambda t: write(t / 'bad.parquet', 'text,id\n'), r'bad\.parquet: not a readable Parquet file'),
+    'compressed text': (lambda t: write_records(t, ['a'], 'txt.gz'), r'docs\.txt\.gz: a compressed file, and not one'),
+}
+
+
+@pytest.mark.parametrize('case', BAD_RECORDS)
+def test_bad_records_are_errors_naming_file_and_line(tmp_path, case):
+    # a bad record after good ones, in a second input: the old dataset stays as it was, no .tmp is left
+    make, message = BAD_RECORDS[case]
+    good = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    prepare(good, 'char', str(tmp_path / 'out'), 0.1)
+    before = {n: (tmp_path / 'out' / n).read_bytes() for n in os.listdir(tmp_path / 'out')}
+    bad = make(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        prepare(f'{good},{bad}', 'char', str(tmp_path / 'out'), 0.1)
+    after = {n: (tmp_path / 'out' / n).read_bytes() for n in os.listdir(tmp_path / 'out')}
+    assert after == before
+    with pytest.raises(SystemExit, match='prepare_data.py: error: .*' + message):
+        prepare_data.main([f'--input={good},{bad}', f'--data_dir={tmp_path / "out"}'])
+
+
+def test_text_field_names_the_field(tmp_path):
+    docs = ['first\n', 'second\n', 'third\n'] * 4
+    lines = ''.join(json.dumps({'text': 'not this', 'content': d}) + '\n' for d in docs)
+    meta = prepare(write(tmp_path / 'a.jsonl', lines), 'char', str(tmp_path / 'out'), 0.2, text_field='content')
+    meta, train, val = load(tmp_path / 'out')
+    assert meta['text_field'] == 'content'
+    assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == ''.join(docs)
+
+
+def test_progress_reports_rates_and_totals(tmp_path, monkeypatch, capsys):
+    # a clock that moves 1 s per call, so that every chunk prints a progress line; the final line's
+    # totals must be the meta's token counts
+    cl100k_offline()
+    clock = itertools.count(1000.0)
+    monkeypatch.setattr(prepare_data.time, 'time', lambda: next(clock))
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 2000)
+    path = write_records(tmp_path, documents(), 'jsonl')
+    meta = prepare(path, 'cl100k_base', str(tmp_path / 'out'), 0.1)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.replace('\r', '\n').splitlines() if ln.startswith('tokens:')]
+    assert len(lines) >= 5 and all('MB/s' in ln and 'tokens/s' in ln for ln in lines)
+    counts = [int(re.search(r'([\d,]+) tokens,', ln).group(1).replace(',', '')) for ln in lines]
+    assert counts == sorted(counts) and counts[-1] == meta['train_tokens'] + meta['val_tokens']
+    total = meta['train_tokens'] + meta['val_tokens']
+    size = sum(len(d.encode()) for d in documents())
+    assert re.search(rf'encoded {size / 1e6:.1f} MB into {total:,} tokens in [\d.]+ s: [\d.]+ MB/s, [\d,]+ '
+                     rf'tokens/s \(\d+ threads\)', out)
+
+
+def test_val_starts_at_a_document_end_on_the_target(tmp_path):
+    # ten 100-byte documents without newlines and val_fraction=0.2: the target, byte 800, is the end of the
+    # eighth document, so val is exactly the last two; the same with a text file per document
+    docs = [f'{i}' * 100 for i in range(10)]
+    text_files = ','.join(write(tmp_path / 'text' / f'{i}.txt', d) for i, d in enumerate(docs))
+    for name, inputs in (('records', write_records(tmp_path, docs, 'jsonl')), ('text', text_files)):
+        meta = prepare(inputs, 'char', str(tmp_path / name), 0.2)
+        meta, train, val = load(tmp_path / name)
+        _, decode = get_tokenizer(meta)
+        assert (decode(train.tolist()), decode(val.tolist())) == (''.join(docs[:8]), ''.join(docs[8:])), name
+
+
+def test_chunks_stream_a_bounded_amount_of_text(tmp_path, monkeypatch):
+    # reference: the input's bytes in order; no chunk holds much more than CHUNK_BYTES (a text file is
+    # read one block ahead; a record is never cut), and train's chunks all come before val's
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 300)
+    docs = documents()
+    text = random_text(5, 3000)
+    paths = [write(tmp_path / 'a.txt', text), write_records(tmp_path, docs, 'jsonl')]
+    sizes = [prepare_data.text_size(p, 'text') for p in paths]
+    split_at = prepare_data.find_split(paths, sizes, 'text', 0.1)
+    chunks = list(prepare_data.read_chunks(paths, 'text', split_at))
+    assert b''.join(data for _, chunk in chunks for data, _ in chunk) == text.encode() + ''.join(docs).encode()
+    longest_doc = max(len(d.encode()) for d in docs)
+    assert len(chunks) > 30 and all(sum(len(d) for d, _ in chunk) < 300 + max(600, longest_doc) for _, chunk in chunks)
+    assert [split for split, _ in chunks] == sorted(split for split, _ in chunks)
+    assert sum(len(d) for split, chunk in chunks if split == 0 for d, _ in chunk) == split_at
+    assert sum(end for _, chunk in chunks for _, end in chunk) == 1 + len(docs)  # one end per document

@@ -117,13 +117,15 @@ def reference_attention(attn, config, x, cos, sin):
     return F.linear(y.transpose(1, 2).reshape(B, T, H * D), attn.proj.weight)
 
 
-@pytest.mark.parametrize('n_kv_head, qk_norm', [(4, False), (2, False), (1, False), (2, True), (4, True)],
-                         ids=['mha', 'gqa', 'mqa', 'gqa-qknorm', 'mha-qknorm'])
+@pytest.mark.parametrize('n_kv_head, qk_norm, head_dim', [(4, False, 0), (2, False, 0), (1, False, 0), (2, True, 0),
+                                                       (4, True, 0), (2, True, 24)],
+                         ids=['mha', 'gqa', 'mqa', 'gqa-qknorm', 'mha-qknorm', 'gqa-qknorm-wide-heads'])
 @pytest.mark.parametrize('dtype, tol', [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=['f64', 'f32'])
-def test_attention_matches_explicit_reference(n_kv_head, qk_norm, dtype, tol):
+def test_attention_matches_explicit_reference(n_kv_head, qk_norm, head_dim, dtype, tol):
     # Reference: reference_attention above (three F.linear calls, repeat_interleave'd kv heads,
-    # explicit masked softmax), against the fused-QKV module that goes through SDPA (enable_gqa).
-    config = tiny_config(n_head=4, n_kv_head=n_kv_head, qk_norm=qk_norm, n_embd=64)
+    # explicit masked softmax), against the fused-QKV module that goes through SDPA (enable_gqa). Wide heads:
+    # head_dim set apart from the width (4 x 24 = 96 channels of attention in a model 64 wide), as in Qwen3.
+    config = tiny_config(n_head=4, n_kv_head=n_kv_head, qk_norm=qk_norm, n_embd=64, head_dim=head_dim)
     torch.manual_seed(0)
     attn = CausalSelfAttention(config).to(dtype).eval()
     randomize_norms(attn)
@@ -340,21 +342,28 @@ def test_loss_matches_hand_computed_cross_entropy(label_smoothing):
     # and F.cross_entropy on those logits.
     model = tiny_model(dtype=torch.float64)
     x, y = random_batch(0, 3, 16, 32)
-    logits, loss = model(x, y, label_smoothing=label_smoothing)
+    logits, none = model(x)
     logp = logits.double().log_softmax(dim=-1)
     nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     want = ((1 - label_smoothing) * nll + label_smoothing * (-logp.mean(dim=-1))).mean()
-    assert logits.shape == (3, 16, 32)
-    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=0)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 32).float(), y.reshape(-1),
-                                                     label_smoothing=label_smoothing), rtol=1e-6, atol=0)
-    assert model(x)[1] is None
+    assert logits.shape == (3, 16, 32) and none is None
+    for chunk in (model.loss_chunk_tokens, 0):  # the chunked loss (the default), then the plain one
+        model.loss_chunk_tokens = chunk
+        logits_too, loss = model(x, y, label_smoothing=label_smoothing)
+        torch.testing.assert_close(loss.double(), want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 32), y.reshape(-1),
+                                                         label_smoothing=label_smoothing), rtol=1e-12, atol=0)
+        assert (logits_too is None) == (chunk != 0)  # the chunked loss never forms all the logits
 
 
 @pytest.mark.parametrize('overrides, field', [
     (dict(n_embd=32, n_head=4, n_kv_head=3), 'n_kv_head'),
     (dict(n_embd=30, n_head=4), 'n_embd'),
     (dict(n_embd=12, n_head=4), 'head_dim'),  # head_dim 3 is odd
+    (dict(head_dim=-2), 'head_dim'),
+    (dict(mlp_hidden=-64), 'mlp_hidden'),
+    (dict(rope_scaling_factor=0.5), 'rope_scaling_factor'),  # slows nothing down: less than 1
+    (dict(rope_scaling_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), 'rope_scaling_factor'),
     (dict(mlp='relu'), 'mlp'),
     (dict(n_layer=0), 'n_layer'),
     (dict(dropout=1.0), 'dropout'),
@@ -411,7 +420,8 @@ def test_forward_rejects_sequences_longer_than_block_size():
 
 
 @pytest.mark.parametrize('overrides', [dict(), dict(tie_embeddings=False, mlp='gelu'),
-                                       dict(n_kv_head=1, n_layer=3), dict(mlp='geglu', n_kv_head=2)])
+                                       dict(n_kv_head=1, n_layer=3), dict(mlp='geglu', n_kv_head=2),
+                                       dict(n_kv_head=2, head_dim=24, mlp_hidden=40)])  # sizes apart from the width
 def test_flops_per_token(overrides):
     # Reference: the matmul weights counted from the config by hand (qkv, proj, mlp up/down, lm_head;
     # the tied lm_head still does a matmul), times 6, plus the PaLM attention term 12 * L * H * D * T.
@@ -752,8 +762,8 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-TRAIN_KEYS = {'iter', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb', 'time_s'}
-EVAL_KEYS = {'iter', 'train_loss', 'val_loss', 'time_s'}
+TRAIN_KEYS = {'iter', 'tokens', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb', 'time_s'}
+EVAL_KEYS = {'iter', 'tokens', 'train_loss', 'val_loss', 'time_s'}
 
 
 def test_metrics_have_the_documented_keys(runs):
@@ -813,6 +823,106 @@ def test_train_cli_reports_config_errors_without_traceback(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# the chunked loss (model.ChunkedCrossEntropy) against the plain one, and FLOPs against torch's counter
+
+def loss_and_grads(model, x, y, chunk, label_smoothing=0.1, net=None, autocast=nullcontext()):
+    """The loss and every parameter's gradient, with loss_chunk_tokens=chunk (0: the plain loss)."""
+    model.loss_chunk_tokens = chunk
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        _, loss = (model if net is None else net)(x, y, label_smoothing=label_smoothing)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('tie, chunk, checkpointing', [(True, 7, 'none'), (False, 7, 'none'), (True, 5, 'full'),
+                                                       (False, 1000, 'selective'), (True, 48, 'none')])
+def test_chunked_loss_matches_the_plain_loss_in_float64(tie, chunk, checkpointing):
+    # Reference: the plain loss (F.cross_entropy over all the logits, autograd's gradients) in float64,
+    # label smoothing 0.1, on 3 x 16 = 48 tokens: chunks of 7 (the last one 6 tokens), 5, 1000 (one chunk), 48.
+    model = tiny_model(dtype=torch.float64, tie_embeddings=tie)
+    randomize_norms(model)
+    x, y = random_batch(0, 3, 16, 32)
+    want_loss, want = loss_and_grads(model, x, y, 0)
+    model.activation_checkpointing = checkpointing
+    loss, grads = loss_and_grads(model, x, y, chunk)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-10, atol=1e-14, msg=name)
+    with torch.no_grad():  # no gradients to compute: the loss alone
+        torch.testing.assert_close(model(x, y, label_smoothing=0.1)[1], want_loss, rtol=1e-12, atol=0)
+
+
+def test_chunked_loss_under_bf16_autocast_is_as_close_as_the_plain_loss():
+    # Reference: float32 without autocast. Under bf16 autocast the chunked loss must land as close to it as the
+    # plain loss does (both round the same matmuls to bf16; a wrong gradient would be off by far more).
+    model = tiny_model(n_layer=1, tie_embeddings=False)
+    x, y = random_batch(0, 4, 16, 32)
+    want_loss, want = loss_and_grads(model, x, y, 0)
+    bf16 = torch.autocast('cpu', torch.bfloat16)
+    (plain_loss, plain), (loss, grads) = (loss_and_grads(model, x, y, c, autocast=bf16) for c in (0, 7))
+    assert loss.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads.values())
+    assert abs(loss - want_loss) <= 2 * abs(plain_loss - want_loss) + 1e-6
+    for name in want:
+        err, plain_err = (grads[name] - want[name]).norm(), (plain[name] - want[name]).norm()
+        assert err <= 2 * plain_err + 1e-7 * want[name].norm(), (name, err, plain_err)
+
+
+def test_chunked_loss_compiles_to_the_same_loss_and_gradients():
+    # Reference: the plain loss, eager. torch.compile traces the chunked loss (and full activation
+    # checkpointing, which it must compile too) to the same loss and gradients, and evaluates without them.
+    # The aot_eager backend runs what traces them (dynamo, AOTAutograd) without inductor's C++ build, which
+    # takes minutes on a busy 2-core CPU; bench.py's compile rung runs inductor on the chunked loss.
+    model = tiny_model(tie_embeddings=False)
+    x, y = random_batch(0, 3, 16, 32)
+    want_loss, want = loss_and_grads(model, x, y, 0)
+    model.activation_checkpointing = 'full'
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend='aot_eager')
+    loss, grads = loss_and_grads(model, x, y, 7, net=compiled)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y, label_smoothing=0.1)[1], want_loss, rtol=1e-6, atol=0)
+    torch._dynamo.reset()
+
+
+def test_loss_chunk_size_keeps_a_chunk_of_logits_small():
+    # Reference: the sizes: a power of two of tokens whose logits fit in LOSS_CHUNK_LOGITS (256 MB in fp32).
+    def chunk(vocab_size):
+        return GPT(GPTConfig(block_size=8, vocab_size=vocab_size, n_layer=1, n_head=1, n_embd=8)).loss_chunk_tokens
+    assert chunk(50304) == 1024 and 1024 * 50304 * 4 <= 256 * 2**20  # GPT-2: 16 chunks of a 16 x 1024 batch
+    assert chunk(100352) == 512 and chunk(128) == 2**19  # cl100k_base; characters: one chunk for any batch here
+
+
+@pytest.mark.parametrize('tie, n_kv_head', [(True, 4), (False, 2), (True, 1)])
+def test_flops_per_token_matches_torch_flop_counter(tie, n_kv_head):
+    # Reference: torch.utils.flop_counter.FlopCounterMode over a forward and backward of B x T tokens. Where the
+    # two count alike: every matmul 2 FLOPs per weight per token forward, 4 backward (the blocks' first matmul
+    # too: the embedding output needs its gradient); the chunked loss's head matmuls run once each, none
+    # recomputed; the embedding lookup counts zero in both; and both count attention's whole T x T square,
+    # ignoring what the causal mask saves (SDPA's math kernel computes the square and masks it, and the counter's
+    # SDPA formulas assume the square). Where they differ: CPU's fused flash kernel has no formula in the
+    # counter, so with it the count lacks exactly the attention term, 12 * n_layer * n_head * head_dim * T.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    model = tiny_model(tie_embeddings=tie, n_kv_head=n_kv_head)
+    c, (B, T) = model.config, (2, 16)
+    x, y = random_batch(0, B, T, c.vocab_size)
+    attention = 12 * c.n_layer * c.n_head * c.head_dim * T
+
+    def counted(chunk, backends):
+        model.loss_chunk_tokens = chunk
+        with sdpa_kernel(backends), FlopCounterMode(display=False) as counter:
+            model(x, y)[1].backward()
+        return counter.get_total_flops()
+    for chunk in (7, 0):  # the chunked loss and the plain one
+        assert counted(chunk, [SDPBackend.MATH]) == model.flops_per_token(T) * B * T
+        assert counted(chunk, [SDPBackend.FLASH_ATTENTION]) == (model.flops_per_token(T) - attention) * B * T
+
+
+# ----------------------------------------------------------------------------------------------------
 # the CPU speedrun's pieces: RoPE in fewer kernels, ReLU^2, zero-initialized projections, logit soft-capping,
 # the whole-split evaluation, time_s and the warmup-stable-decay schedule
 
@@ -867,27 +977,34 @@ def test_zero_init_proj_starts_each_block_as_the_identity():
         else:
             assert torch.equal(p, q), name
     x, y = random_batch(0, 2, 16, 32)
-    logits, loss = zero(x, y)
+    logits, _ = zero(x)
     torch.testing.assert_close(logits, zero.lm_head(zero.norm(zero.wte(x))), rtol=0, atol=0)
-    loss.backward()
+    zero(x, y)[1].backward()
     assert zero.blocks[0].attn.proj.weight.grad.abs().sum() > 0 and zero.blocks[1].mlp.down.weight.grad.abs().sum() > 0
 
 
-def test_logit_softcap_bounds_the_logits():
+@pytest.mark.parametrize('chunk', [0, 5])
+def test_logit_softcap_bounds_the_logits(chunk):
     # Reference: cap * tanh(z / cap) of the uncapped model's logits z (same weights), and the cross-entropy of
-    # those capped logits by formula; the caps bind (|z| > cap somewhere), and no logit reaches the cap.
+    # those capped logits by formula, with autograd's gradients through them (float64), for the plain loss and
+    # the chunked one (chunks of 5 tokens: its hand-written gradient); the caps bind (|z| > cap somewhere).
     cap = 2.0
-    plain, capped = tiny_model(seed=1), tiny_model(seed=1, logit_softcap=cap)
+    plain, capped = tiny_model(seed=1, dtype=torch.float64), tiny_model(seed=1, logit_softcap=cap, dtype=torch.float64)
     with torch.no_grad():
         plain.lm_head.weight.mul_(10)  # logits well beyond the cap
     capped.load_state_dict(plain.state_dict())
+    capped.loss_chunk_tokens = chunk
     x, y = random_batch(0, 2, 16, 32)
-    z, _ = plain(x, y)
-    logits, loss = capped(x, y)
+    z, _ = plain(x)
+    logits, _ = capped(x)
     assert z.abs().max() > 2 * cap and logits.abs().max() <= cap
-    torch.testing.assert_close(logits, cap * torch.tanh(z / cap), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits, cap * torch.tanh(z / cap), rtol=1e-12, atol=1e-12)
     want = -(logits.log_softmax(-1).gather(-1, y[..., None])).mean()
-    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    loss = capped(x, y)[1]
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    params = list(capped.parameters())
+    for got, ref in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match='logit_softcap'):
         tiny_config(logit_softcap=-1.0)
 
@@ -988,7 +1105,7 @@ def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     times = [r['time_s'] for r in lines]
     assert all(0 < t < speedrun_run.wall for t in times) and times == sorted(times)
     evals = [r for r in lines if 'val_loss' in r]
-    assert [r['iter'] for r in evals] == [0, 4, 8] and all(set(r) == {'iter', 'val_loss', 'time_s'} for r in evals)
+    assert [r['iter'] for r in evals] == [0, 4, 8] and all(set(r) == {'iter', 'tokens', 'val_loss', 'time_s'} for r in evals)
     ckpt = torch.load(speedrun_run.out / 'ckpt.pt', weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])

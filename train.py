@@ -7,11 +7,12 @@ branches.
     python prepare_data.py && python train.py config/train_small.py       # CPU, a few minutes on 2 cores
     python train.py config/train_shakespeare_char.py --compile=True       # one GPU
     python train.py config/train_small.py --init_from=resume              # continue out_dir/ckpt.pt
+    python train.py --init_from=hf:models/SmolLM2-135M --data_dir=data/smol --block_size=512  # finetune
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py  # 8 GPUs, DDP
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --parallelism=fsdp
 
 Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
-keys and wrong types are errors). Features, each findable by name:
+keys and wrong types are errors; check_config: values out of range are errors). Features, each findable by name:
 - device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
   has it, else fp16 with a GradScaler; float32 on CPU; TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
@@ -22,23 +23,30 @@ keys and wrong types are errors). Features, each findable by name:
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices; torchao's CPU-offload AdamW.
   get_lr: warmup + cosine. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
-- activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails),
-  periodic eval.
+- activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails, a stop
+  with advice if it runs out of memory), periodic eval.
+- init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
+  Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state; a scratch run moves an
-  earlier run's files aside instead of overwriting them.
+  loaded with weights_only=True; exact resume including data and RNG state, refused on data with another
+  vocabulary (vocabulary_mismatch); a scratch run moves an earlier run's files aside instead of overwriting them.
+- file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
+  every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
-- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl, each
-  line with time_s, the wall seconds since the process started.
+- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl
+  (each line with time_s, the wall seconds since the process started),
+  drawn into out_dir/metrics.png at each evaluation (plot_metrics, with plot.py) and, with wandb_log=True,
+  sent to Weights & Biases (start_wandb); where the optimizer state lives (state_where: GPU, CPU or paged
+  managed memory).
 """
 import time
 
-START_TIME = time.time()  # first of all, before the heavy imports: time_s counts from here (see log_record)
+START_TIME = time.time()  # first of all, before the heavy imports: time_s counts from here (see log_metrics)
 
-import collections  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -50,7 +58,7 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress  # noqa: E402
 from types import SimpleNamespace
 
 import numpy as np
@@ -64,19 +72,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # ----------------------------------------------------------------------------------------------------
 # defaults: every name here can be set from a config file or a --key=value flag
 # I/O
-out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best val loss), metrics.jsonl
+out_dir = 'out'                 # ckpt.pt (latest, for resume), best.pt (best val loss), metrics.jsonl and .png
 data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prepare_data.py
-init_from = 'scratch'           # 'scratch', or 'resume' from out_dir/ckpt.pt
+init_from = 'scratch'           # 'scratch', 'resume' from out_dir/ckpt.pt, or 'hf:PATH': the weights of a
+                                # Hugging Face Llama/Qwen3 directory (model shape from its config.json)
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
 eval_iters = 50                 # batches per split in each evaluation; 0: the whole val split (see Windows)
 eval_at_start = True            # evaluate at iteration 0 of a scratch run (the untrained loss) too
 log_interval = 10               # iterations between log lines
+wandb_log = False               # also send metrics.jsonl's records to Weights & Biases (process 0)
+wandb_project = 'gpt'
+wandb_run_name = ''             # '': wandb picks a name
 seed = 1337
 # model (model.GPTConfig)
 n_layer = 12
 n_head = 12
 n_kv_head = 0                   # 0: n_head (multi-head attention); fewer: grouped-query attention
 n_embd = 768
+head_dim = 0                    # channels per attention head; 0: n_embd // n_head
+mlp_hidden = 0                  # the MLP's hidden width; 0: 8/3 n_embd (4 n_embd for gelu and relu2), a multiple of 64
 block_size = 1024
 vocab_size = 0                  # 0: the dataset's vocabulary, rounded up to a multiple of 64
 dropout = 0.0
@@ -121,12 +135,17 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
             if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 # ----------------------------------------------------------------------------------------------------
 
-from configurator import configure, ConfigError  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from configurator import configure, ConfigError, read_config_file  # noqa: E402
+from model import GPT, GPTConfig, peak_flops  # noqa: E402
+from prepare_data import vocabulary  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
+PEAK_LABEL = {'bfloat16': 'bf16', 'float16': 'fp16', 'float32': 'TF32'}  # the peak MFU is stated against
+# a drawing of metrics.png takes 0.3 to 1 s of CPU: evaluations seconds apart (small models, tests) would spend
+# their time drawing, so they redraw it at most this often
+PLOT_EVERY_S = 30
 CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
                    'batches', 'rng', 'evaluated')
 
@@ -161,11 +180,26 @@ def pick_dtype(name, device_type):
 # ----------------------------------------------------------------------------------------------------
 # data
 
+def os_reason(e, path=None):
+    """An OSError in words ('Permission denied'), with the file it concerns where that is not `path`."""
+    reason = e.strerror or str(e) or type(e).__name__
+    return reason if e.filename in (None, path) else f"{reason}: {e.filename}"
+
+
+def check_readable(path, missing):
+    """Open path and read a byte, so that a file that is missing or cannot be read is an error now, naming it."""
+    try:
+        with open(path, 'rb') as f:
+            f.read(1)
+    except FileNotFoundError:
+        raise TrainError(f"{path} not found: {missing}") from None
+    except OSError as e:  # a data_dir that is a file, a file without read permission, an I/O error
+        raise TrainError(f"{path} cannot be read: {os_reason(e, path)}") from None
+
+
 def read_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
-    if not os.path.exists(path):
-        raise TrainError(f"{path} not found: prepare the data first, e.g. "
-                         f"`python prepare_data.py --data_dir={data_dir}`")
+    check_readable(path, f"prepare the data first, e.g. `python prepare_data.py --data_dir={data_dir}`")
     try:
         with open(path) as f:
             meta = json.load(f)
@@ -180,8 +214,7 @@ def read_meta(data_dir):
 def load_tokens(data_dir, split, meta, block_size, vocab_size):
     """Memory-map data_dir/{split}.bin after checking it against meta.json and the model."""
     path = os.path.join(data_dir, f'{split}.bin')
-    if not os.path.exists(path):
-        raise TrainError(f"{path} not found: run `python prepare_data.py --data_dir={data_dir}` again")
+    check_readable(path, f"run `python prepare_data.py --data_dir={data_dir}` again")
     itemsize = np.dtype(meta['dtype']).itemsize
     size = os.path.getsize(path)
     expected = meta.get(f'{split}_tokens')
@@ -442,16 +475,88 @@ def import_bitsandbytes(name, device_type):
     return bnb
 
 
-def optimizer_state_bytes(optimizer):
-    """Bytes of optimizer state (moments, quantization maps, ...), each tensor counted once."""
-    seen = {}
+def state_tensors(optimizer):
+    """The optimizer's state tensors (moments, quantization maps, ...), each once. For torchao's
+    CPUOffloadOptimizer, those of the optimizers it holds: one on the GPU for the small tensors, one on the
+    CPU for each large one."""
+    opts = []
     for opt in getattr(optimizer, 'optimizers', [optimizer]):
-        for state in getattr(opt, 'state', {}).values():  # torchao's offload optimizer keeps its own
+        inner = [getattr(opt, 'd_opt', None), *getattr(opt, 'optim_dict', {}).values()]
+        opts += [o for o in inner if o is not None] or [opt]
+    seen = {}
+    for opt in opts:
+        for state in getattr(opt, 'state', {}).values():
             for t in state.values():
                 if torch.is_tensor(t):
                     t = t.to_local() if hasattr(t, 'to_local') else t
-                    seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
+                    seen[t.device, t.data_ptr()] = t
+    return list(seen.values())
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state (moments, quantization maps, ...), each tensor counted once."""
+    return sum(t.numel() * t.element_size() for t in state_tensors(optimizer))
+
+
+def state_where(optimizer):
+    """Where the optimizer's state lives, as shares of its bytes; '' before the state exists."""
+    where = {}
+    for t in state_tensors(optimizer):
+        place = ('paged CUDA managed memory' if getattr(t, 'is_paged', False)  # bitsandbytes' paged buffers
+                 else 'GPU memory' if t.device.type == 'cuda' else f'{t.device.type.upper()} memory')
+        where[place] = where.get(place, 0) + t.numel() * t.element_size()
+    total = sum(where.values()) or 1
+    return ', '.join(f'{100 * n / total:.3g}% {place}' for place, n in sorted(where.items(), key=lambda kv: -kv[1]))
+
+
+def load_optimizer_state(r, state):
+    """Load a checkpoint's optimizer state into r.optimizer, then put back this run's settings (betas,
+    weight decay, ...) where they are read."""
+    optimizer, opts = r.optimizer, optimizers(r.optimizer)
+    settings = [{k: v for k, v in group.items() if k != 'params'} for group in optimizer.param_groups]
+    if r.cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+        optimizer.load_state_dict(state)
+        # NOTE: its param_groups lists the dicts that its on-GPU optimizer (the tensors under minimal_size:
+        # the norms) was built with, and load_state_dict gave that optimizer new ones: without this, the
+        # learning rate set each step would never reach those parameters again
+        if optimizer.d_opt is not None:
+            optimizer.d_param_groups = optimizer.d_opt.param_groups
+    else:
+        paged = [make_paged_state(opt) for opt in opts]
+        set_optimizer_state_dict(r.model, opts, state, options=FULL_STATE)
+        for opt, buffers in zip(opts, paged):
+            restore_paged_state(opt, buffers)
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)
+
+
+def make_paged_state(opt):
+    """For a bitsandbytes paged optimizer: create its state now, as its first step would (the large tensors
+    in paged CUDA managed memory), and return the paged buffers by (parameter, key); {} for the others.
+
+    NOTE: left to itself, set_optimizer_state_dict creates the state by a zero-gradient step, whose paged
+    buffers bitsandbytes never frees, and bitsandbytes' load_state_dict then puts the loaded state in
+    ordinary GPU memory: the resumed run would no longer be paged. With the state already there, that
+    step is not taken, and restore_paged_state puts the loaded values back into these buffers.
+    """
+    if not getattr(opt, 'is_paged', False):
+        return {}
+    for gindex, group in enumerate(opt.param_groups):
+        for pindex, p in enumerate(group['params']):
+            opt.init_state(group, p, gindex, pindex)
+    return {(p, key): t for p, state in opt.state.items() for key, t in state.items() if getattr(t, 'is_paged', False)}
+
+
+def restore_paged_state(opt, buffers):
+    """Copy the loaded state into the paged buffers of make_paged_state and put those back in the state."""
+    for (p, key), buf in buffers.items():
+        loaded = opt.state[p].get(key)
+        if loaded is None or loaded.shape != buf.shape or loaded.dtype != buf.dtype:
+            raise TrainError(f"the checkpoint's optimizer state does not fit paged_adamw8bit ({key}: "
+                             f"{None if loaded is None else (loaded.dtype, tuple(loaded.shape))}, expected "
+                             f"{(buf.dtype, tuple(buf.shape))}): resume with the optimizer the run started with")
+        buf.copy_(loaded)
+        opt.state[p][key] = buf
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -602,8 +707,8 @@ def rng_state():
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {'python': random.getstate(), 'numpy': [keys.tolist(), pos, has_gauss, gauss],
              'torch': torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state['cuda'] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's own GPU: a resume may see fewer GPUs than this run
+        state['cuda'] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -613,7 +718,10 @@ def set_rng_state(state):
     np.random.set_state(('MT19937', np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state['torch'])
     if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
+        cuda, index = state['cuda'], torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # an older checkpoint: the states of all the GPUs it saw
+            cuda = cuda[index] if index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, index)
 
 
 def config_diff(old, new, keys):
@@ -657,21 +765,69 @@ def stop_on_signals():
 
 
 # ----------------------------------------------------------------------------------------------------
+# config checks: every value in its range, named when it is not, before anything is read or built
+
+CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpointing': ('none', 'full', 'selective'),
+           'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
+           'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp'),
+           'dtype': ('auto', 'float32', 'bfloat16', 'float16'), 'lr_schedule': ('cosine', 'wsd'),
+           'mlp': ('swiglu', 'geglu', 'gelu', 'relu2')}
+# (keys, test(value, cfg), what the value must be). Every float must also be finite: an inf can only come
+# from an overflowing literal (1e999), and each key has a finite way to say what inf would (grad_clip=0).
+RANGES = [
+    (('batch_size', 'block_size', 'gradient_accumulation_steps', 'n_layer', 'n_head', 'n_embd', 'eval_interval',
+      'log_interval', 'max_nonfinite_steps', 'muon_ns_steps'), lambda v, c: v >= 1, 'at least 1'),
+    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size', 'mlp_hidden', 'eval_iters',
+      'logit_softcap'), lambda v, c: v >= 0,
+     'at least 0 (see its comment at the top of train.py for what 0 means)'),
+    (('head_dim',), lambda v, c: v >= 0 and v % 2 == 0,
+     '0 (n_embd // n_head) or a positive even number (RoPE rotates channel pairs)'),
+    (('learning_rate',), lambda v, c: v > 0, 'greater than 0'),
+    (('weight_decay', 'grad_clip'), lambda v, c: v >= 0, 'at least 0 (grad_clip=0 disables clipping)'),
+    # min_lr above learning_rate would turn the cosine "decay" into a rise after warmup: never what was meant
+    (('min_lr',), lambda v, c: 0 <= v <= c.learning_rate,
+     'between 0 and learning_rate ({learning_rate}); min_lr = learning_rate keeps the rate constant after warmup'),
+    (('dropout', 'label_smoothing', 'beta1', 'beta2'), lambda v, c: 0 <= v < 1, 'at least 0 and less than 1'),
+    (('wsd_decay_frac',), lambda v, c: 0 < v <= 1, 'greater than 0 and at most 1 (1: the decay takes all of '
+                                                   'lr_decay_iters after warmup)'),
+    (('rope_base',), lambda v, c: v > 1, 'greater than 1 (the rotation frequencies are base^(-2i/d))'),
+    (('seed',), lambda v, c: 0 <= v < 2**63, 'between 0 and 2**63 - 1'),
+    (('out_dir', 'data_dir'), lambda v, c: v != '', 'a directory, not empty'),
+]
+
+
+def check_config(cfg):
+    """Raise a ConfigError naming the first setting that is not one of its CHOICES or outside its RANGES, or a
+    device this machine does not have. Cross-checks that need the data or the model come later, in setup."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed and not (key == 'init_from' and is_hf(cfg) and cfg.init_from[3:]):
+            raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
+    for keys, ok, what in RANGES:
+        for key in keys:
+            value = getattr(cfg, key)
+            finite = not isinstance(value, float) or math.isfinite(value)
+            if not (finite and ok(value, cfg)):
+                raise ConfigError(f"{key}={value!r}: must be " + ('' if finite else 'finite and ')
+                                  + what.format(**vars(cfg)))
+    if cfg.device == 'auto':
+        return
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda', 'mps'):
+        raise ConfigError(f"device={cfg.device!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    if device.type == 'cuda' and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device={cfg.device!r}, but this machine has {torch.cuda.device_count()} CUDA devices "
+                          f"that torch can use")
+    if device.type == 'mps' and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={cfg.device!r}, but MPS is not available here")
+
 
 def main(argv):
     """Check the config, join the other processes under torchrun, run, leave."""
     cfg = SimpleNamespace(**configure(DEFAULTS, argv))
-    checks = {'init_from': ('scratch', 'resume'), 'activation_checkpointing': ('none', 'full', 'selective'),
-              'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
-              'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp')}
-    for key, allowed in checks.items():
-        if getattr(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
-    for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval',
-                'log_interval', 'max_nonfinite_steps'):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
-    check_new_keys(cfg)
+    check_config(cfg)
     # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain run is process 0 of 1
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     if cfg.gradient_accumulation_steps % world:
@@ -680,6 +836,9 @@ def main(argv):
     if 0 < cfg.eval_iters < world:
         raise ConfigError(f"eval_iters={cfg.eval_iters} is the global number of eval batches, shared among the "
                           f"processes: give at least one to each of the {world}")
+    if cfg.wandb_log and importlib.util.find_spec('wandb') is None:  # found now, imported by start_wandb
+        raise ConfigError("wandb_log=True needs wandb: `pip install wandb` (WANDB_MODE=offline logs without a "
+                          "network), or set wandb_log=False")
     device = pick_device(cfg.device)
     if world > 1 and torch.device(device).type == 'cuda':
         device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per process, whatever index was asked for
@@ -690,23 +849,18 @@ def main(argv):
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
-        code = train_loop(r)
+        code = 1  # what the wandb run records if the loop raises
+        try:
+            code = train_loop(r)
+        finally:
+            if r.wandb:
+                r.wandb.finish(exit_code=code)
         if world > 1:
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def check_new_keys(cfg):
-    """The schedule's and the evaluation's keys."""
-    if cfg.eval_iters < 0:
-        raise ConfigError(f"eval_iters={cfg.eval_iters}: expected a number of batches, or 0 for the whole val split")
-    if cfg.lr_schedule not in ('cosine', 'wsd'):
-        raise ConfigError(f"lr_schedule={cfg.lr_schedule!r}: expected one of 'cosine', 'wsd'")
-    if not 0.0 < cfg.wsd_decay_frac <= 1.0:
-        raise ConfigError(f"wsd_decay_frac={cfg.wsd_decay_frac} must be in (0, 1]")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -729,8 +883,9 @@ def setup(cfg, argv, device, rank, world):
     r.scaler = torch.amp.GradScaler(device_type, enabled=(r.dtype == 'float16'))
 
     # ---- data, checked before anything is built
+    model_args = model_shape(cfg, argv)
     r.meta = meta = read_meta(cfg.data_dir)
-    r.vocab = cfg.vocab_size or 64 * math.ceil(meta['vocab_size'] / 64)
+    r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
     if r.vocab < meta['vocab_size']:
         raise TrainError(f"vocab_size={r.vocab} is smaller than the dataset's vocabulary ({meta['vocab_size']}, "
                          f"{cfg.data_dir}/meta.json)")
@@ -739,9 +894,9 @@ def setup(cfg, argv, device, rank, world):
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                         cfg.gradient_accumulation_steps, rank, world)
     r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
+    on_master(r, lambda: probe_out_dir(cfg.out_dir))  # now, not at the first checkpoint, after training
 
     # ---- model
-    model_args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
     model_args['vocab_size'] = r.vocab
     try:
         r.model_config = GPTConfig(**model_args)
@@ -788,15 +943,10 @@ def setup(cfg, argv, device, rank, world):
     # ---- optimizer, built after the weights are loaded (the CPU-offload optimizer copies them)
     r.optimizer = configure_optimizer(model, cfg, device_type)
     if ckpt is not None and ckpt['optimizer'] is not None:
-        settings = [{k: v for k, v in group.items() if k != 'params'} for group in r.optimizer.param_groups]
-        if cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
-            r.optimizer.load_state_dict(ckpt['optimizer'])
-        else:
-            set_optimizer_state_dict(model, optimizers(r.optimizer), ckpt['optimizer'], options=FULL_STATE)
-        for group, setting in zip(r.optimizer.param_groups, settings):  # this run's betas, weight decay, ...
-            group.update(setting)
+        load_optimizer_state(r, ckpt['optimizer'])
     del ckpt  # free its memory
     r.compiled, r.compile_note = compile_model(r)
+    r.wandb = start_wandb(r)
     return r
 
 
@@ -804,30 +954,31 @@ def start_or_resume(r):
     """Resume from out_dir/ckpt.pt (model, scaler, data and counters; returns the checkpoint for the
     optimizer), or start afresh, moving an earlier run's files aside. Sets the run's paths and counters."""
     cfg, say = r.cfg, r.say
-    os.makedirs(cfg.out_dir, exist_ok=True)
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    r.iter_num, r.best_val_loss, r.rng = 0, math.inf, None
+    r.plot_path, r.plotted_at = os.path.join(cfg.out_dir, 'metrics.png'), time.time()  # first drawn PLOT_EVERY_S in
+    r.iter_num, r.best_val_loss, r.rng, r.metrics_lost = 0, math.inf, None, 0
     r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
+    r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
     if cfg.init_from != 'resume':
-        if r.master and any(os.path.exists(p) for p in (r.ckpt_path, r.best_path, r.metrics_path)):
-            keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=cfg.out_dir)
-            for p in (r.ckpt_path, r.best_path, r.metrics_path):
-                if os.path.exists(p):
-                    shutil.move(p, keep)
-            say(f"{cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to "
-                f"continue it)")
+        on_master(r, lambda: move_earlier_run(r))
+        if is_hf(cfg):
+            r.init_from = start_from_hf(r)
         return None
     ckpt = load_checkpoint(r.ckpt_path, 'cpu')
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
         raise TrainError(f"{r.ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
-    old_args = {**GPTConfig().to_dict(), **ckpt['model_args']}  # a field newer than the checkpoint: its default
-    shape_diff = config_diff(old_args, r.model_config.to_dict(), SHAPE_KEYS)
+    mismatch = vocabulary_mismatch(ckpt['meta'], r.meta)
+    if mismatch:  # same-sized vocabularies pass the shape check, and every id would mean another token
+        raise TrainError(f"{r.ckpt_path} was trained on another vocabulary than {cfg.data_dir}: {mismatch}. Resume "
+                         f"or finetune only on data prepared with the checkpoint's tokenizer and vocabulary")
+    shape_diff = config_diff(complete_model_args(ckpt['model_args']), r.model_config.to_dict(), SHAPE_KEYS)
     if shape_diff:
         raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
                          + "\n".join(shape_diff) + "\nresume with the config the run started with")
-    changed = config_diff(ckpt['config'], vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
+    # a setting that the checkpoint's version lacked had its default's behaviour then
+    changed = config_diff({**DEFAULTS, **ckpt['config']}, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
     set_model_state_dict(r.model, ckpt['model'], options=FULL_STATE)
@@ -835,22 +986,206 @@ def start_or_resume(r):
         r.scaler.load_state_dict(ckpt['scaler'])
     r.batches.load_state_dict(ckpt['batches'])
     r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
+    r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
-    if r.master and os.path.exists(r.metrics_path):  # drop lines logged after the checkpoint: they are replayed
-        with open(r.metrics_path) as f:
-            lines = [ln for ln in f if json.loads(ln)['iter'] <= r.iter_num]
-        with open(r.metrics_path, 'w') as f:
-            f.writelines(lines)
+    on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
+
+
+def complete_model_args(model_args):
+    """A checkpoint's model_args with every field of GPTConfig, sizes derived as GPTConfig derives them: what an
+    older checkpoint lacks takes its default, which rebuilds the model it saved."""
+    try:
+        return GPTConfig(**model_args).to_dict()
+    except (TypeError, ValueError):  # a field this model.py does not know: compared as it is, and named
+        return model_args
+
+
+def vocabulary_mismatch(ckpt_meta, data_meta):
+    """None if a checkpoint's vocabulary (prepare_data.vocabulary) is the data's, else what differs, briefly."""
+    if vocabulary(ckpt_meta) == vocabulary(data_meta):
+        return None
+    old, new = vocabulary(ckpt_meta)[1], vocabulary(data_meta)[1]
+    if ckpt_meta['tokenizer'] == data_meta['tokenizer'] == 'char' and old and new:
+        a, b = set(old), set(new)
+        only = lambda s: repr(''.join(sorted(s))[:40]) + ('...' if len(s) > 40 else '') if s else 'none'  # noqa: E731
+        return (f"the checkpoint has {len(old)} characters, the data {len(new)}; only in the checkpoint's: "
+                f"{only(a - b)}; only in the data's: {only(b - a)}" if a != b else
+                f"the same {len(old)} characters, in another order")
+    return f"the checkpoint's is {describe_vocabulary(ckpt_meta)}, the data's {describe_vocabulary(data_meta)}"
+
+
+def describe_vocabulary(meta):
+    kind, value = vocabulary(meta)
+    if kind == 'char':
+        return f"char level ({len(value or '')} characters)"
+    if kind == 'hf':
+        return f"{meta['tokenizer']} (tokenizer.json sha256 {str(value)[:12]}...)"
+    return f"tiktoken {value}"
+
+
+def probe_out_dir(out_dir):
+    """Create out_dir, then create, write a byte to, fsync and remove a probe file with a unique name in it."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise TrainError(f"out_dir {out_dir} is a file, not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"out_dir {out_dir} cannot be created: {os_reason(e, out_dir)}") from None
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.write-probe-', dir=out_dir)
+        try:
+            os.write(fd, b'\0')
+            os.fsync(fd)  # a full disk may only show here
+        finally:
+            os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        if probe and os.path.exists(probe):
+            os.remove(probe)
+        raise TrainError(f"out_dir {out_dir} cannot be written: {os_reason(e, probe)}") from None
+
+
+def move_earlier_run(r):
+    """Move an earlier run's files in out_dir to out_dir/previous-<date-time>-<random>/, never overwrite them."""
+    found = [p for p in (r.ckpt_path, r.best_path, r.metrics_path, r.plot_path) if os.path.exists(p)]
+    if not found:
+        return
+    keep = None
+    try:
+        keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=r.cfg.out_dir)
+        for p in found:
+            shutil.move(p, keep)
+    except OSError as e:
+        with suppress(OSError, TypeError):
+            os.rmdir(keep)  # only if nothing had moved yet (os.rmdir refuses a folder that is not empty)
+        moved = f"; those moved so far are in {keep}" if keep and os.path.isdir(keep) else ''
+        raise TrainError(f"could not move the earlier run's files in {r.cfg.out_dir} aside ({os_reason(e)}); "
+                         f"nothing was overwritten{moved}") from None
+    r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
+
+
+def truncate_metrics(path, iter_num, say):
+    """Drop the lines of metrics.jsonl logged after the checkpoint (the resumed run logs them again) and any
+    line a crash cut short. Written to a temporary file and renamed, so that a failure loses no line."""
+    if not os.path.exists(path):
+        return
+    tmp, kept, unreadable = f'{path}.tmp', [], 0
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)['iter'] <= iter_num:
+                        kept.append(line.rstrip('\n') + '\n')  # a last line may lack its newline
+                except (ValueError, KeyError, TypeError):
+                    unreadable += 1
+        with open(tmp, 'w') as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise TrainError(f"cannot rewrite {path} for the resumed run: {os_reason(e, path)}") from None
+    if unreadable:
+        say(f"{path}: dropped {unreadable} unreadable line(s), cut short by an earlier failure")
+
+
+def on_master(r, work):
+    """Run work() on process 0, which alone writes files, then stop every process with its TrainError, if it
+    raised one: none is left waiting for the others at the next collective."""
+    error = None
+    if r.master:
+        try:
+            work()
+        except TrainError as e:
+            error = e
+    if not agree(error is None, r.device):
+        raise error or TrainError("process 0 stopped with an error (it prints it)")
+
+
+def is_hf(cfg):
+    return cfg.init_from.startswith('hf:')
+
+
+def model_shape(cfg, argv):
+    """GPTConfig's arguments, from the config; vocab_size 0 means the dataset's, padded.
+
+    Under init_from=hf:PATH the shape is PATH/config.json's (export.hf_model_args): a shape key that a config
+    file or flag sets (argv, not its default) to another value is an error naming both; block_size and dropout
+    stay the run's, block_size at most max_position_embeddings. Resuming a run that started so keeps the
+    checkpoint's shape for the keys that argv leaves unset (the resume command names none)."""
+    args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
+    explicit = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
+    explicit.update(k for a in argv if not a.startswith('--') for k in read_config_file(a))
+    if cfg.init_from == 'resume':
+        shape = hf_checkpoint_shape(cfg.out_dir) or {}
+        return {**args, **{k: v for k, v in shape.items() if k not in explicit and k != 'dropout'}}
+    if not is_hf(cfg):
+        return args
+    from export import HF_KEYS, hf_model_args  # the mapping lives with the export
+    path = cfg.init_from[3:]
+    try:
+        shape, max_len = hf_model_args(path)
+    except ValueError as e:
+        raise TrainError(f"init_from={cfg.init_from}: {e}") from None
+    for key, value in shape.items():
+        if key in explicit and resolved(shape, key, args.get(key)) != value:
+            raise ConfigError(f"{key}={args[key]!r} contradicts the model's {key}={value!r} ({HF_KEYS[key]} in "
+                              f"{path}/config.json): leave {key} unset, or set it to the model's")
+    if cfg.block_size > max_len:
+        raise ConfigError(f"block_size={cfg.block_size} is longer than max_position_embeddings={max_len} of "
+                          f"{path}/config.json")
+    return {**args, **shape}
+
+
+def resolved(shape, key, value):
+    """What value means for key in a model of this shape: GPTConfig's reading of a 0 (n_kv_head=0 is n_head)."""
+    try:
+        return getattr(GPTConfig(**{**shape, key: value}), key)
+    except ValueError:
+        return value
+
+
+def hf_checkpoint_shape(out_dir):
+    """The model_args of out_dir/ckpt.pt if its run started from a Hugging Face model, else None. A look through
+    mmap, which reads no tensor; a missing or broken file is start_or_resume's to report."""
+    try:
+        ckpt = torch.load(os.path.join(out_dir, 'ckpt.pt'), mmap=True, weights_only=True)
+        return ckpt['model_args'] if str(ckpt.get('init_from')).startswith('hf:') else None
+    except Exception:
+        return None
+
+
+def start_from_hf(r):
+    """Load the weights of init_from=hf:PATH into the model; training then goes on as from scratch (iteration
+    0, a fresh optimizer). Returns the start that the checkpoints record."""
+    from export import load_hf_weights
+    path = r.cfg.init_from[3:]
+    try:
+        state = load_hf_weights(path, r.model_config)
+    except ValueError as e:
+        raise TrainError(f"init_from={r.cfg.init_from}: {e}") from None
+    set_model_state_dict(r.model, state, options=FULL_STATE)
+    r.say(f"weights from {path} ({r.model.num_params() / 1e6:.2f}M parameters), a fresh optimizer")
+    return 'hf:' + os.path.abspath(path)
 
 
 def compile_model(r):
     """torch.compile the wrapped model and compile it now, on a real batch, so that a failure shows before
-    training: it is reported loudly and the run goes on eager. Returns (the model to call, a note)."""
+    training: it is reported loudly and the run goes on eager. Running out of memory is not a compile failure:
+    it stops the run with advice, and never falls back. Returns (the model to call, a note)."""
     cfg = r.cfg
     if not cfg.compile:
         return r.wrapped, 'off'
+    note = f'on (mode {cfg.compile_mode})'
+    if r.world > 1 and cfg.parallelism == 'ddp' and cfg.activation_checkpointing != 'none':
+        # NOTE: Dynamo's DDP optimizer splits the graph at DDP's buckets, to overlap the all-reduce with the
+        # backward, and cannot split checkpointed blocks (a higher-order op, pytorch/pytorch#104674): compile
+        # would fail and the run train eager. One graph instead: gradients are all-reduced after the backward.
+        torch._dynamo.config.optimize_ddp = False
+        note += ', one graph under DDP (optimize_ddp off for activation checkpointing: no all-reduce overlap)'
     compiled = torch.compile(r.wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     try:  # compilation happens at the first call
         with torch.random.fork_rng(devices=[r.device] if r.device_type == 'cuda' else []):
@@ -862,8 +1197,15 @@ def compile_model(r):
                 compiled(x, y)
             compiled.train()
         r.optimizer.zero_grad(set_to_none=True)
-        return compiled, f'on (mode {cfg.compile_mode})'
+        return compiled, note
     except Exception as e:
+        oom = out_of_memory(e)
+        if oom is not None:
+            first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
+            raise TrainError(f"out of memory in the first (compiling) step on {r.device} ({first[:200]}): lower "
+                             f"batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens per "
+                             f"step), or set activation_checkpointing=selective or full; `python bench.py --mode=fit` "
+                             f"finds the largest batch_size that fits") from None
         bar = '!' * 100
         print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
               f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
@@ -872,11 +1214,51 @@ def compile_model(r):
         return r.wrapped, 'FAILED, running eager (see the warning above)'
 
 
+def out_of_memory(e):
+    """The out-of-memory error that e is or was raised from (torch.compile wraps errors), else None."""
+    for _ in range(20):  # the chain of causes, never a cycle
+        if e is None:
+            return None
+        if isinstance(e, torch.OutOfMemoryError) or 'out of memory' in str(e).lower():
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def start_wandb(r):
+    """wandb_log=True: a Weights & Biases run in process 0, which gets the records that metrics.jsonl gets;
+    else None. wandb is imported here only (it is optional, and slow to import)."""
+    if not (r.cfg.wandb_log and r.master):
+        return None
+    import wandb
+    return wandb.init(project=r.cfg.wandb_project, name=r.cfg.wandb_run_name or None, config=vars(r.cfg))
+
+
+def plot_metrics(r, final=False):
+    """Redraw out_dir/metrics.png from metrics.jsonl in process 0: at an evaluation once the last drawing is
+    PLOT_EVERY_S old, and at the end (final). A plot that cannot be written is a warning: it is never worth
+    the run."""
+    if not r.master or not (final or time.time() - r.plotted_at >= PLOT_EVERY_S):
+        return
+    r.plotted_at = time.time()
+    import plot  # and matplotlib (a second) in plot.draw, at the first drawing rather than at start-up
+    try:
+        records = plot.read_metrics(r.cfg.out_dir)
+    except ValueError:  # metrics.jsonl missing or empty: log_metrics has warned about that already
+        return
+    try:
+        plot.draw({r.cfg.out_dir: records}, r.plot_path)
+    except Exception as e:
+        print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
+
+
 def report(r):
     """Print the resolved config, the model and which optimizations are on (and why any is off)."""
     cfg, say, model = r.cfg, r.say, r.model
-    width = max(map(len, DEFAULTS))
-    say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in vars(cfg).items()))
+    # the model's keys as built: resolved from 0 (n_kv_head, vocab_size, ...) or read from init_from=hf:PATH
+    shown = {**vars(cfg), **r.model_config.to_dict()}
+    width = max(map(len, shown))
+    say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in shown.items()))
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
         f"token, vocab {r.vocab} ({r.meta['tokenizer']}, {r.meta['vocab_size']} used), "
         f"{tokens_per_iter(cfg):,} tokens per iteration")
@@ -888,7 +1270,20 @@ def report(r):
     say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
     fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in optimizers(r.optimizer))
     say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
-        + (', state and step on the CPU (torchao)' if cfg.optimizer_offload else ''))
+        + (', stepped on the CPU (torchao)' if cfg.optimizer_offload else ''))
+    where = state_where(r.optimizer)  # a resumed run's state is there already, a new run's comes at its first step
+    if not where:
+        where = ('paged CUDA managed memory for the large tensors (bitsandbytes), GPU memory for the rest'
+                 if cfg.optimizer == 'paged_adamw8bit' else 'CPU memory (torchao), GPU memory for the smallest tensors'
+                 if cfg.optimizer_offload else 'GPU memory' if cuda else f'{r.device_type.upper()} memory')
+        where += ', from the first step'
+    say(f"  optimizer state   {where}")
+    peak, fp8_peak = peak_flops(r.device, r.dtype), peak_flops(r.device, 'float8')
+    gpu = torch.cuda.get_device_name(r.device) if cuda else r.device_type
+    mfu = f"of the {PEAK_LABEL[r.dtype]} peak, {peak / 1e12:,.1f} TFLOP/s ({gpu})" if peak else f"n/a ({gpu})"
+    if cfg.fp8 and peak and fp8_peak:  # torchtitan's convention: FP8 and bf16 runs on one scale
+        mfu += f"; this FP8 run's too, not of the FP8 peak ({fp8_peak / 1e12:,.1f} TFLOP/s)"
+    say(f"  MFU               {mfu}")
     say(f"  fp8               {r.fp8_note}")
     say(f"  parallelism       {r.parallel_note}")
     say(f"  compile           {r.compile_note}")
@@ -903,13 +1298,6 @@ def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
         return {'val': Windows(val_tokens, cfg.batch_size, cfg.block_size, device, rank, world)}
     return {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
             for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
-
-
-def log_record(record):
-    """A metrics.jsonl line: the record and time_s, wall seconds since train.py started (START_TIME; it leaves
-    out the interpreter's own start-up before the first line runs, about 20 ms). An eval line is stamped
-    after the evaluation, so time_s counts it."""
-    return {**record, 'time_s': round(time.time() - START_TIME, 3)}
 
 
 def tokens_per_iter(cfg):
@@ -933,10 +1321,9 @@ def save(r, *paths):
              'optimizer': optimizer_state(r),
              'scaler': r.scaler.state_dict(), 'iter_num': r.iter_num, 'best_val_loss': r.best_val_loss,
              'config': vars(r.cfg), 'model_args': r.model_config.to_dict(), 'meta': r.meta,
-             'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv),
+             'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv), 'init_from': r.init_from,
              'evaluated': r.last_eval == r.iter_num}
-    for path in paths if r.master else ():
-        save_checkpoint(path, state)
+    on_master(r, lambda: [save_checkpoint(path, state) for path in paths])
 
 
 def optimizer_state(r):
@@ -951,14 +1338,38 @@ def optimizer_state(r):
     return get_optimizer_state_dict(r.model, opts, options=FULL_STATE)
 
 
+def log_metrics(r, record):
+    """Append record to out_dir/metrics.jsonl as one JSON line (process 0). A failed write is a warning, never
+    the end of a run that can still save its checkpoints, which hold all that a resume needs. Each record gets
+    time_s, the wall seconds since train.py started (START_TIME; it leaves out the interpreter's own start-up
+    before the first line runs, about 20 ms); an eval line is stamped after the evaluation, so time_s counts it."""
+    if not r.master:
+        return
+    record = {**record, 'time_s': round(time.time() - START_TIME, 3)}
+    if r.wandb:  # the same records to Weights & Biases, whether or not the file takes them
+        r.wandb.log(record)
+    start = None
+    try:
+        with open(r.metrics_path, 'a') as f:
+            start = f.tell()
+            f.write(json.dumps(record) + '\n')
+    except OSError as e:
+        if start is not None:  # take back a half-written line, so that the next line starts on its own
+            with suppress(OSError):
+                os.truncate(r.metrics_path, start)
+        if not r.metrics_lost:  # one warning per stretch of failures, not one per line
+            print(f"warning: cannot write {r.metrics_path} ({os_reason(e, r.metrics_path)}); training goes on, "
+                  f"its lines are printed but not logged until a write succeeds", file=sys.stderr)
+        r.metrics_lost += 1
+        return
+    if r.metrics_lost:
+        r.say(f"{r.metrics_path} is written again; {r.metrics_lost} line(s) were lost")
+        r.metrics_lost = 0
+
+
 def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval, step, log; returns the exit code."""
     cfg, say, world = r.cfg, r.say, r.world
-
-    def log(record):
-        if r.master:
-            with open(r.metrics_path, 'a') as f:
-                f.write(json.dumps(log_record(record)) + '\n')
 
     launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
     resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
@@ -975,7 +1386,9 @@ def train_loop(r):
             if r.iter_num % cfg.eval_interval == 0 and r.last_eval != r.iter_num:
                 losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
                 say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
-                log({'iter': r.iter_num, **{f'{split}_loss': loss for split, loss in losses.items()}})
+                log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg),
+                                **{f'{split}_loss': loss for split, loss in losses.items()}})
+                plot_metrics(r)
                 r.last_eval = r.iter_num
                 improved = losses['val'] < r.best_val_loss
                 r.best_val_loss = min(r.best_val_loss, losses['val'])
@@ -1009,14 +1422,16 @@ def train_loop(r):
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
-                    f"{tokens_per_sec:,.0f} tok/s, " + (f"mfu {100 * mfu:.1f}%, " if mfu is not None else '')
+                    f"{tokens_per_sec:,.0f} tok/s, "
+                    + (f"mfu {100 * mfu:.1f}% of {PEAK_LABEL[r.dtype]} peak, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
-                log({'iter': r.iter_num, 'loss': loss, 'lr': lr, 'tokens_per_sec': tokens_per_sec, 'mfu': mfu,
-                     'peak_mem_mb': mem})
-                if not state_reported and not cfg.optimizer_offload:  # the state exists once a step has run
+                log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg), 'loss': loss, 'lr': lr,
+                                'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': mem})
+                if not state_reported:  # the state exists once a step has run
                     say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
-                        f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + ')')
+                        f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + '), '
+                        + state_where(r.optimizer))
                     state_reported = True
                 t0, t0_iter = time.time(), r.iter_num
             if agree(bool(stop), r.device, every=False):  # a signal to any process stops them all, at one step
@@ -1027,6 +1442,7 @@ def train_loop(r):
                 return 128 + signum
         if saved_iter != r.iter_num:
             save(r, r.ckpt_path)
+        plot_metrics(r, final=True)
         say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
         return 0
 

@@ -1,0 +1,107 @@
+"""
+Plot training runs from their out_dir/metrics.jsonl: train and val loss against iterations and against
+tokens, the learning rate, and tokens/s. train.py draws out_dir/metrics.png with it at each evaluation; on
+the command line it overlays several runs in one PNG, to compare settings.
+
+    python plot.py out-small                          # -> compare.png
+    python plot.py out-a out-b out-c --out=ab.png     # one color per run
+
+matplotlib (Agg backend, no display needed) is imported by draw() only: reading and checking the metrics
+costs nothing, and train.py pays for matplotlib at its first evaluation, not at start-up.
+"""
+import argparse
+import json
+import os
+import sys
+
+# the curves of each run: the record field, the panels it is drawn in, its style
+LOSSES = {'loss': dict(lw=0.8, alpha=0.45),                      # training lines: the step's loss
+          'train_loss': dict(ls='--', marker='.', ms=5),         # evaluations
+          'val_loss': dict(marker='o', ms=3.5)}
+
+
+def read_metrics(out_dir):
+    """The records of out_dir/metrics.jsonl, in order. A missing or empty file is an error naming it; a last
+    line without its newline (being written right now) is left out."""
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found: {out_dir} is not the out_dir of a training run (yet)")
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if line.endswith('\n'):
+                    raise ValueError(f"{path}, line {n}: not a JSON record: {line[:80]!r}") from None
+    if not records:
+        raise ValueError(f"{path} is empty: the run has logged nothing yet")
+    return records
+
+
+def series(records):
+    """The run's curves: {field: (iterations, tokens, values)} for each field of LOSSES, 'lr' and
+    'tokens_per_sec' that the records hold (tokens None where a record has none). Null values (mfu on a
+    CPU, say) are left out."""
+    curves = {}
+    for record in records:
+        for field in (*LOSSES, 'lr', 'tokens_per_sec'):
+            if record.get(field) is not None:
+                iters, tokens, values = curves.setdefault(field, ([], [], []))
+                iters.append(record['iter'])
+                tokens.append(record.get('tokens'))
+                values.append(record[field])
+    return curves
+
+
+def draw(runs, path):
+    """Draw runs ({label: records}) into a PNG at path: written to path.tmp, then renamed over path, so a
+    reader never sees half a file. Returns the matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # see the module docstring
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(12, 8))
+    FigureCanvasAgg(fig)  # Agg: renders to a file, no display needed
+    (by_iter, by_tokens), (lr, speed) = axes = fig.subplots(2, 2)
+    for i, (label, records) in enumerate(runs.items()):
+        color, curves = f'C{i % 10}', series(records)
+        for field, style in LOSSES.items():
+            if field in curves:
+                iters, tokens, values = curves[field]
+                by_iter.plot(iters, values, color=color, label=f'{label}: {field}', **style)
+                known = [(t, v) for t, v in zip(tokens, values) if t is not None]
+                by_tokens.plot([t for t, _ in known], [v for _, v in known], color=color, **style)
+        for ax, field in ((lr, 'lr'), (speed, 'tokens_per_sec')):
+            if field in curves:
+                ax.plot(curves[field][0], curves[field][2], color=color, label=label, lw=1)
+    titles = [('loss', 'iteration'), ('loss', 'tokens'), ('learning rate', 'iteration'), ('tokens/s', 'iteration')]
+    for ax, (title, x) in zip(axes.flat, titles):
+        ax.set_title(f'{title} vs {x}', fontsize=10)
+        ax.set_xlabel(x)
+        ax.grid(alpha=0.3)
+    by_iter.legend(fontsize=8, loc='upper right')  # a fixed place: loc='best' searches every point
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
+    tmp = f'{path}.tmp'
+    try:
+        fig.savefig(tmp, format='png', dpi=80)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog='plot.py', description='Overlay the metrics.jsonl of training runs.')
+    parser.add_argument('out_dirs', nargs='+', help="runs' out_dir folders (each holds metrics.jsonl)")
+    parser.add_argument('--out', default='compare.png', help='the PNG to write (default: compare.png)')
+    args = parser.parse_args(argv)
+    try:
+        runs = {out_dir.rstrip('/'): read_metrics(out_dir) for out_dir in args.out_dirs}
+    except ValueError as e:
+        parser.exit(1, f"plot.py: error: {e}\n")
+    draw(runs, args.out)
+    print(f"wrote {args.out}: {', '.join(runs)}")
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

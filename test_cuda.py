@@ -1,0 +1,760 @@
+"""
+Tests for the CUDA paths of train.py and model.py, in two parts.
+
+Part 1 runs everywhere, with CUDA's pieces faked where the CPU must stand in for them: the CUDA RNG state of
+a checkpoint written with 8 visible GPUs restored with 1; every parameter of torchao's CPU-offload AdamW
+taking the scheduled learning rate after a resume; a resumed paged_adamw8bit keeping its state in (fake)
+paged buffers, without leaking the buffers of a phantom step; DDP + compile + activation checkpointing
+turning Dynamo's DDP graph splitting off; an out-of-memory error in the compile warm-up stopping the run
+with advice instead of falling back to eager; the peak FLOP/s of each GPU, by the name CUDA reports.
+Each is checked against a reference: the uninterrupted run, the state saved, datasheet figures.
+
+Part 2 needs a CUDA GPU (skipped without one): a small real model (4 layers x 256 wide, block 256) trained
+for 24 iterations in each branch (bf16 with fused AdamW, fp16 with a GradScaler, compile default and
+reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload, FP8 tensorwise and rowwise under
+compile, activation checkpointing full and selective under compile) and resumed from its iteration-12
+checkpoint: the loss falls, the resumed run repeats the uninterrupted one, compile made no graph break,
+peak memory is reported. Also: one process under torchrun matches the plain run, 2-process DDP with compile
+and activation checkpointing stays compiled, sample.py samples from an FP8-trained checkpoint. Sized to take
+under about 8 minutes on one H100 (not measured yet); it prints a summary table and, when $OUT is set, writes
+it to $OUT/test_cuda_summary.md.
+
+    python -m pytest -q test_cuda.py
+"""
+import contextlib
+import io
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+# cuBLAS is deterministic only with a fixed workspace, set before CUDA starts (Part 2 runs deterministic)
+os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import model as model_module  # noqa: E402
+import train  # noqa: E402
+from conftest import read_metrics, write_dataset  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    torch.set_num_threads(1)  # the tiny models of Part 1: one thread is as fast and avoids OpenMP stalls
+NO_SCALER = torch.amp.GradScaler('cpu', enabled=False)
+V = 40
+
+
+def write_data(d, vocab=V, period=23, n_train=2300, n_val=460, seed=0):
+    """train.bin / val.bin: a random sequence of `period` ids repeated (learnable), char-level meta.json."""
+    pattern = np.random.default_rng(seed).integers(0, vocab, period)
+    return write_dataset(d, np.resize(pattern, n_train), np.resize(pattern, n_val), vocab)
+
+
+def main_capture(argv):
+    """train.main(argv) in this process; returns (exit code, stdout)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = train.main(argv)
+    return code, buf.getvalue()
+
+
+def opt_cfg(**overrides):
+    """train.py's config with the values configure_optimizer reads."""
+    return SimpleNamespace(**dict(train.DEFAULTS, learning_rate=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                                  **overrides))
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    # n_embd=64: every matrix has >= 4096 elements (large for torchao's offload and bitsandbytes' 8-bit
+    # state, and for the fake pager below), every norm fewer
+    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        d = torch.randint(64, (4, 17), generator=g)
+        out.append(SimpleNamespace(next=lambda d=d: (d[:, :-1], d[:, 1:])))
+    return out
+
+
+def file_round_trip(state):
+    """state through torch.save and a weights_only torch.load, as a checkpoint goes."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def resume_matches_straight(make_optimizer, lrs, stop, grad_clip=1.0):
+    """Train a tiny model for len(lrs) steps at the learning rates lrs, set as train_loop sets them (on
+    optimizer.param_groups); and again, stopped after `stop` steps, the model and optimizer state saved and
+    loaded into new ones with train.load_optimizer_state, then on. Returns (straight, resumed) optimizers
+    and the names of the parameters whose weights differ at the end."""
+    data = batches(len(lrs))
+
+    def steps(model, opt, todo):
+        for i in todo:
+            for group in opt.param_groups:
+                group['lr'] = lrs[i]
+            _, _, ok = train.train_step(model, opt, NO_SCALER, data[i], 1, contextlib.nullcontext(), grad_clip)
+            assert ok
+
+    model_a = tiny_model()
+    opt_a = make_optimizer(model_a)
+    steps(model_a, opt_a, range(stop))
+    saved_model = file_round_trip(model_a.state_dict())
+    r_a = SimpleNamespace(cfg=opt_cfg(optimizer_offload=hasattr(opt_a, 'd_opt')), optimizer=opt_a, model=model_a,
+                          device='cpu')
+    saved_opt = file_round_trip(train.optimizer_state(r_a))
+    steps(model_a, opt_a, range(stop, len(lrs)))
+
+    model_b = tiny_model(seed=1)  # other initial weights: the loaded ones must replace them
+    model_b.load_state_dict(saved_model)
+    opt_b = make_optimizer(model_b)  # built after the weights are loaded, as train.setup does
+    train.load_optimizer_state(SimpleNamespace(cfg=r_a.cfg, optimizer=opt_b, model=model_b), saved_opt)
+    steps(model_b, opt_b, range(stop, len(lrs)))
+    differ = [n for (n, a), b in zip(model_a.named_parameters(), model_b.parameters()) if not torch.equal(a, b)]
+    return opt_a, opt_b, differ
+
+
+# ====================================================================================================
+# Part 1: everywhere, CUDA faked where needed
+# ----------------------------------------------------------------------------------------------------
+# 1. the CUDA RNG state: this process's own GPU, restored whatever the number of GPUs
+
+class FakeCudaRng:
+    """torch.cuda's RNG functions for `count` visible GPUs, each with its own generator state (16 bytes, as
+    CUDA's Philox state), the current device `current`; a device index past the count is an error, as in
+    CUDA (so set_rng_state_all with more states than GPUs fails, like the real one)."""
+
+    def __init__(self, monkeypatch, count, current=0, salt=0):
+        self.count, self.current = count, current
+        self.states = [torch.full((16,), 10 * salt + i + 1, dtype=torch.uint8) for i in range(count)]
+        for name in ('is_available', 'device_count', 'current_device', 'get_rng_state', 'set_rng_state',
+                     'get_rng_state_all', 'set_rng_state_all'):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.count
+
+    def current_device(self):
+        return self.current
+
+    def index(self, device):
+        index = device if isinstance(device, int) else torch.device(device).index
+        index = self.current if index is None else index
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} ({self.count} visible)")
+        return index
+
+    def get_rng_state(self, device='cuda'):
+        return self.states[self.index(device)].clone()
+
+    def set_rng_state(self, new_state, device='cuda'):
+        self.states[self.index(device)] = new_state.clone()
+
+    def get_rng_state_all(self):
+        return [s.clone() for s in self.states]
+
+    def set_rng_state_all(self, new_states):
+        for i, s in enumerate(new_states):
+            self.set_rng_state(s, i)
+
+
+def test_rng_state_saves_this_process_gpu_and_restores_it_on_a_smaller_node(monkeypatch, tmp_path):
+    # Reference: the generator state of the process's own GPU (device 5 of 8) when saved; resumed where one
+    # GPU is visible, that GPU must take exactly that state, where the old code raised on the 8 states.
+    saver = FakeCudaRng(monkeypatch, count=8, current=5)
+    state = train.rng_state()
+    assert torch.equal(state['cuda'], saver.states[5])
+    train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'rng': [state]})
+    loaded = train.load_checkpoint(str(tmp_path / 'ckpt.pt'))['rng'][0]
+
+    resumer = FakeCudaRng(monkeypatch, count=1, current=0, salt=3)
+    assert not torch.equal(resumer.states[0], saver.states[5])
+    train.set_rng_state(loaded)
+    assert torch.equal(resumer.states[0], saver.states[5])
+
+
+@pytest.mark.parametrize('count, current, want', [(1, 0, 0), (4, 3, 3), (8, 5, 5)])
+def test_rng_state_of_an_older_checkpoint_with_every_gpu(monkeypatch, count, current, want):
+    # Reference: checkpoints written before held get_rng_state_all()'s list (8 GPUs seen); the process
+    # resuming on device `current` takes that device's entry and leaves the other GPUs alone.
+    old = FakeCudaRng(monkeypatch, count=8, salt=1)
+    state = dict(train.rng_state(), cuda=old.get_rng_state_all())
+    new = FakeCudaRng(monkeypatch, count=count, current=current, salt=2)
+    before = [s.clone() for s in new.states]
+    train.set_rng_state(state)
+    assert torch.equal(new.states[current], old.states[want])
+    assert all(torch.equal(new.states[i], before[i]) for i in range(count) if i != current)
+
+
+def test_rng_state_of_an_older_checkpoint_from_fewer_gpus_takes_the_first(monkeypatch):
+    # Reference: a list shorter than this process's device index (a 1-GPU run resumed on cuda:1): its entry 0.
+    old = FakeCudaRng(monkeypatch, count=1, salt=1)
+    state = dict(train.rng_state(), cuda=old.get_rng_state_all())
+    new = FakeCudaRng(monkeypatch, count=2, current=1, salt=2)
+    train.set_rng_state(state)
+    assert torch.equal(new.states[1], old.states[0])
+
+
+def test_run_written_with_8_gpus_resumes_with_1(monkeypatch, tmp_path):
+    # Reference: the whole path, train.main: a run that saw 8 GPUs (its own being cuda:2) stops at 4; the
+    # resumed run sees one GPU and must restore that GPU from the saved state of cuda:2, and finish.
+    data = write_data(tmp_path / 'data')
+    argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
+            '--batch_size=4', '--eval_iters=2', '--eval_interval=4', f'--data_dir={data}',
+            f'--out_dir={tmp_path / "o"}']
+    saver = FakeCudaRng(monkeypatch, count=8, current=2)
+    assert main_capture(argv + ['--max_iters=4'])[0] == 0
+    saved = train.load_checkpoint(str(tmp_path / 'o' / 'ckpt.pt'))['rng'][0]['cuda']
+    assert torch.equal(saved, saver.states[2])
+    resumer = FakeCudaRng(monkeypatch, count=1, salt=5)
+    code, out = main_capture(argv + ['--max_iters=6', '--init_from=resume'])
+    assert code == 0 and 'resuming from' in out
+    assert torch.equal(resumer.states[0], saver.states[2])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. torchao's CPU-offload AdamW after a resume: every parameter takes the scheduled learning rate
+
+class FakeStream:
+    """What CPUOffloadOptimizer uses of a CUDA stream, done synchronously (the copies are CPU copies here)."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self):
+        return SimpleNamespace(synchronize=lambda: None)
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def cpu_offload(monkeypatch):
+    """torchao's CPUOffloadOptimizer, built by train.configure_optimizer on the CPU. Faked: its check that a
+    CUDA device exists, CUDA streams, and pinned memory (no allocator for it without CUDA)."""
+    offload = pytest.importorskip('torchao.optim.cpu_offload', reason='torchao is not installed')
+    monkeypatch.setattr(offload, 'get_available_devices', lambda: ['cpu', 'cuda'])
+    monkeypatch.setattr(torch.cuda, 'Stream', FakeStream)
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda *a, **k: FakeStream())
+    monkeypatch.setattr(torch.cuda, 'stream', lambda stream: contextlib.nullcontext())
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, 'empty_like', lambda *a, pin_memory=False, **k: empty_like(*a, **k))
+    return lambda model: train.configure_optimizer(model, opt_cfg(optimizer_offload=True, grad_clip=0.0), 'cuda')
+
+
+LRS = [1e-2, 8e-3, 5e-3, 2e-3, 1e-3, 4e-4]  # a schedule in which every step has its own learning rate
+
+
+def test_offload_optimizer_resume_sets_every_learning_rate(cpu_offload):
+    # Reference: the uninterrupted run. Resumed after 3 of 6 steps, every weight must end bitwise equal to
+    # it; before the fix the norms (in torchao's inner on-GPU optimizer) kept the checkpoint's lr.
+    opt_a, opt_b, differ = resume_matches_straight(cpu_offload, LRS, stop=3, grad_clip=0.0)
+    assert type(opt_b).__name__ == 'CPUOffloadOptimizer'
+    assert opt_b.d_opt is not None and len(opt_b.optim_dict) == 5  # the norms inside, the 5 matrices outside
+    assert differ == []
+    # and the lr the optimizers really read is this run's, in every one of them
+    for opt in [opt_b.d_opt, *opt_b.optim_dict.values()]:
+        assert [g['lr'] for g in opt.param_groups] == [LRS[-1]] * len(opt.param_groups)
+
+
+class OffloadLike(torch.optim.Optimizer):
+    """The structure of torchao's CPUOffloadOptimizer that decides where a learning rate lands, for machines
+    without torchao: tensors under minimal_size in an inner optimizer d_opt built from dicts it keeps
+    (d_param_groups), one optimizer per larger tensor (optim_dict), param_groups listing the kept dicts and
+    then the per-tensor optimizers' groups, load_state_dict handing each inner optimizer its part."""
+
+    def __init__(self, groups, minimal_size=4096, **kwargs):
+        self.d_param_groups, self.optim_dict = [], {}
+        for group in groups:
+            params = group.pop('params')
+            for p in params:
+                if p.numel() >= minimal_size:
+                    self.optim_dict[p] = torch.optim.AdamW([{'params': [p], **group}], **kwargs)
+            small = [p for p in params if p.numel() < minimal_size]
+            if small:
+                self.d_param_groups.append({'params': small, **group})
+        self.d_opt = torch.optim.AdamW(self.d_param_groups, **kwargs) if self.d_param_groups else None
+
+    @property
+    def param_groups(self):
+        return sum((opt.param_groups for opt in self.optim_dict.values()), start=self.d_param_groups)
+
+    def step(self, closure=None):
+        for opt in [self.d_opt, *self.optim_dict.values()]:
+            opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in [self.d_opt, *self.optim_dict.values()]:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {'offloaded': [opt.state_dict() for opt in self.optim_dict.values()],
+                'on-device': self.d_opt.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        for opt, part in zip(self.optim_dict.values(), state_dict['offloaded']):
+            opt.load_state_dict(part)
+        self.d_opt.load_state_dict(state_dict['on-device'])
+
+
+def test_offload_like_optimizer_resume_sets_every_learning_rate():
+    # Reference: as above, the uninterrupted run, with an optimizer built like torchao's (checked against the
+    # real one where torchao is installed); here it runs everywhere.
+    def make(model):
+        params = list(model.named_parameters())
+        groups = [{'params': [p for n, p in params if p.dim() >= 2], 'weight_decay': 0.1},
+                  {'params': [p for n, p in params if p.dim() < 2], 'weight_decay': 0.0}]
+        return OffloadLike(groups, lr=1e-2, betas=(0.9, 0.95))
+    _, opt_b, differ = resume_matches_straight(make, LRS, stop=3)
+    assert differ == []
+    assert [g['lr'] for g in opt_b.d_opt.param_groups] == [LRS[-1]] * len(opt_b.d_opt.param_groups)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. paged_adamw8bit after a resume: its state stays paged, no buffers leak
+
+@pytest.fixture
+def fake_pager(monkeypatch):
+    """bitsandbytes' paged optimizer on the CPU. A paged buffer is what bitsandbytes' F.get_paged returns, a
+    CPU tensor over CUDA managed memory flagged is_paged: here a CPU tensor flagged so, for tensors of >= 4096
+    elements (bitsandbytes pages >= 1e5 on CUDA; the tiny model has none that large). Prefetching is a
+    no-op; train.py's CUDA checks (a probe step on the GPU, free GPU memory) pass. Returns the list of every
+    paged buffer made."""
+    bnb = pytest.importorskip('bitsandbytes', reason='bitsandbytes is not installed')
+    made = []
+
+    def get_state_buffer(self, p, dtype=torch.float32):
+        buf = torch.zeros_like(p, dtype=dtype)
+        if self.is_paged and p.numel() >= 4096:
+            buf.is_paged = True
+            made.append(buf)
+        return buf
+    monkeypatch.setattr(bnb.optim.optimizer.Optimizer8bit, 'get_state_buffer', get_state_buffer)
+    monkeypatch.setattr(bnb.functional, 'prefetch_tensor', lambda A, to_cpu=False: None)
+    monkeypatch.setattr(train, 'import_bitsandbytes', lambda name, device_type: bnb)
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda *a: (1 << 40, 1 << 40))
+    return made
+
+
+def test_paged_optimizer_resumes_paged_without_leaking(fake_pager):
+    # Reference: the uninterrupted run (bitwise equal weights after the resume), the number of paged tensors
+    # of the state (two moments per matrix: each made once, in use, and no more), and the share of the
+    # state's bytes in them computed from the shapes.
+    make = lambda model: train.configure_optimizer(model, opt_cfg(optimizer='paged_adamw8bit'), 'cuda')  # noqa: E731
+    made = fake_pager
+    opt_a, opt_b, differ = resume_matches_straight(make, LRS, stop=3)
+    assert type(opt_b).__name__ == 'PagedAdamW8bit'
+    assert differ == []
+    in_use = set()
+    for opt in (opt_a, opt_b):
+        matrices = [p for g in opt.param_groups for p in g['params'] if p.numel() >= 4096]
+        assert len(matrices) == 5
+        paged = [opt.state[p][k] for p in matrices for k in ('state1', 'state2')]
+        assert all(getattr(t, 'is_paged', False) and t.dtype == torch.uint8 for t in paged)
+        in_use |= {id(t) for t in paged}
+    # every paged buffer made (by run A, then by the resumed run B) is in use: none leaked
+    assert len(made) == len(in_use) == 2 * 2 * 5 and {id(t) for t in made} == in_use
+    # where the state lives, as the start-up report and the log say it
+    paged_bytes = 2 * sum(p.numel() for p in matrices)
+    total = train.optimizer_state_bytes(opt_b)
+    assert train.state_where(opt_b).startswith(f"{100 * paged_bytes / total:.3g}% paged CUDA managed memory, ")
+
+
+def test_paged_resume_of_a_state_that_does_not_fit_is_an_error(fake_pager):
+    # Reference: a checkpoint whose state for one matrix is 32-bit (not what paged_adamw8bit keeps for it)
+    # must be refused with an error naming the optimizer, never copied into the 8-bit buffer with a cast.
+    cfg = opt_cfg(optimizer='paged_adamw8bit')
+    model = tiny_model()
+    opt = train.configure_optimizer(model, cfg, 'cuda')
+    train.train_step(model, opt, NO_SCALER, batches(1)[0], 1, contextlib.nullcontext(), 1.0)
+    state = file_round_trip(train.optimizer_state(SimpleNamespace(cfg=cfg, optimizer=opt, model=model, device='cpu')))
+    quant = state['state']['blocks.0.mlp.up.weight']['__bnb_optimizer_quant_state__']
+    quant['state1'] = quant['state1'].float()
+    resumed = train.configure_optimizer(model, cfg, 'cuda')
+    with pytest.raises(train.TrainError, match=r'paged_adamw8bit \(state1: \(torch.float32'):
+        train.load_optimizer_state(SimpleNamespace(cfg=cfg, optimizer=resumed, model=model), state)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4, 5. compile: DDP with activation checkpointing; out of memory in the warm-up
+
+def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', compiled=None):
+    """train.compile_model on a tiny model with torch.compile replaced: it records Dynamo's optimize_ddp at
+    the time of the call and returns `compiled` (default: the module itself, run eagerly)."""
+    seen = {}
+
+    def fake_compile(module, mode=None):
+        seen['optimize_ddp'] = torch._dynamo.config.optimize_ddp
+        return module if compiled is None else compiled
+    monkeypatch.setattr(torch, 'compile', fake_compile)
+    model = tiny_model()
+    model.activation_checkpointing = checkpointing
+    x, y = batches(1)[0].next()
+    r = SimpleNamespace(cfg=opt_cfg(compile=True, activation_checkpointing=checkpointing, parallelism=parallelism),
+                        world=world, model=model, wrapped=model, device='cpu', device_type='cpu',
+                        optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
+                        eval_splits={'train': SimpleNamespace(next_batch=(x, y))}, autocast=contextlib.nullcontext())
+    # NOTE: Dynamo's config, not monkeypatch: monkeypatch's undo would delete the key from Dynamo's config
+    with torch._dynamo.config.patch(optimize_ddp=True):  # the default, restored after
+        return seen, train.compile_model(r)
+
+
+@pytest.mark.parametrize('world, parallelism, checkpointing, split', [
+    (2, 'ddp', 'full', False), (2, 'ddp', 'selective', False), (2, 'ddp', 'none', True), (1, 'ddp', 'full', True),
+    (2, 'fsdp', 'full', True)])
+def test_ddp_graph_split_is_off_with_activation_checkpointing(monkeypatch, world, parallelism, checkpointing, split):
+    # Reference: the issue's rule. Dynamo's DDP graph splitter cannot split checkpointed blocks, so under DDP
+    # with activation checkpointing optimize_ddp must be off when torch.compile runs, and the start-up
+    # report's compile line says so; everywhere else it is left on (it overlaps the all-reduce).
+    seen, (model, note) = compile_run(monkeypatch, world, parallelism, checkpointing)
+    assert seen['optimize_ddp'] is split
+    assert note.startswith('on (mode default)')
+    assert ('optimize_ddp off' in note) is (not split)
+
+
+class Raising:
+    """A compiled model whose first call raises `error`."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __call__(self, *args, **kwargs):
+        raise self.error
+
+
+def wrapped_oom():
+    """An out-of-memory error inside another, as torch.compile wraps errors of its backend."""
+    try:
+        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.2 GiB free')
+    except torch.OutOfMemoryError as e:
+        try:
+            raise RuntimeError("backend='inductor' raised:") from e
+        except RuntimeError as outer:
+            return outer
+
+
+@pytest.mark.parametrize('error', [
+    lambda: torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB'),
+    lambda: RuntimeError('CUDA out of memory. Tried to allocate 512.00 MiB (GPU 0; 79.1 GiB total)'),
+    wrapped_oom], ids=['OutOfMemoryError', 'RuntimeError', 'wrapped'])
+def test_out_of_memory_in_compile_stops_with_advice(tmp_path, monkeypatch, capsys, error):
+    # Reference: the advice the issue lists, in one line, and no fallback: no warning, no training.
+    monkeypatch.setattr(torch, 'compile', lambda module, mode=None: Raising(error()))
+    data = write_data(tmp_path / 'data')
+    argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
+            '--batch_size=4', '--eval_iters=2', '--max_iters=2', '--compile=True', f'--data_dir={data}',
+            f'--out_dir={tmp_path / "o"}']
+    with pytest.raises(train.TrainError) as e:
+        main_capture(argv)
+    message = str(e.value)
+    assert '\n' not in message and 'out of memory' in message and 'CUDA out of memory. Tried to allocate' in message
+    for advice in ('batch_size=4', 'gradient_accumulation_steps', 'activation_checkpointing',
+                   'python bench.py --mode=fit'):
+        assert advice in message, advice
+    assert 'UNCOMPILED' not in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / 'o' / 'metrics.jsonl')
+
+
+def test_other_compile_failures_still_fall_back_loudly(monkeypatch, capsys):
+    # Reference: the documented behaviour for a compile failure that is not out of memory.
+    _, (model, note) = compile_run(monkeypatch, compiled=Raising(RuntimeError('inductor: lowering failed')))
+    assert note.startswith('FAILED') and isinstance(model, GPT)
+    assert 'UNCOMPILED' in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. peak FLOP/s by device name
+
+T = 1e12
+# name as torch.cuda.get_device_name returns it -> (bf16, fp8) dense peak in TFLOP/s from the datasheets
+# (the sparse headline figures halved), None where the card is not known or has no FP8
+DEVICES = {
+    'NVIDIA H100 80GB HBM3': (989.5, 1979), 'NVIDIA H100 PCIe': (756.5, 1513), 'NVIDIA H100 NVL': (835.5, 1670.5),
+    'NVIDIA H200': (989.5, 1979), 'NVIDIA H200 NVL': (835.5, 1670.5), 'NVIDIA H800': (989.5, 1979),
+    'NVIDIA H800 PCIe': (756.5, 1513), 'NVIDIA GH200 480GB': (989.5, 1979),
+    'NVIDIA A100-SXM4-80GB': (312, None), 'NVIDIA A100-SXM4-40GB': (312, None), 'NVIDIA A100 80GB PCIe': (312, None),
+    'NVIDIA A100-PCIE-40GB': (312, None), 'A100-SXM4-40GB': (312, None),  # older drivers: no 'NVIDIA '
+    'NVIDIA L40S': (362.05, 733), 'NVIDIA L40': (181.05, 362), 'NVIDIA L4': (121, 242.5),
+    'NVIDIA GeForce RTX 4090': (165.2, 330.3),
+    # not in the table: no MFU rather than another card's
+    'NVIDIA GeForce RTX 3090': (None, None), 'Tesla V100-SXM2-16GB': (None, None), 'NVIDIA A10G': (None, None),
+    'NVIDIA A10': (None, None), 'NVIDIA A40': (None, None), 'NVIDIA GeForce RTX 4090 D': (None, None),
+    'NVIDIA GeForce RTX 4090 Laptop GPU': (None, None), 'NVIDIA H100 80GB HBM3 MIG 1g.10gb': (None, None),
+    'NVIDIA A100-SXM4-40GB MIG 3g.20gb': (None, None), 'NVIDIA B200': (None, None),
+}
+
+
+@pytest.mark.parametrize('name', DEVICES)
+def test_peak_flops_by_device_name(monkeypatch, name):
+    # Reference: the dense peaks of the vendors' datasheets and the Ada whitepaper (RTX 4090: bf16 with
+    # fp32 accumulate), typed in here; float32 matmuls run as TF32 at half the bf16 peak.
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
+    bf16, fp8 = DEVICES[name]
+    approx = lambda x: None if x is None else pytest.approx(x * T, rel=1e-9)  # noqa: E731
+    assert model_module.peak_flops('cuda', 'bfloat16') == approx(bf16)
+    assert model_module.peak_flops('cuda:0', 'float16') == approx(bf16)
+    assert model_module.peak_flops('cuda', 'float32') == approx(None if bf16 is None else bf16 / 2)
+    assert model_module.peak_flops('cuda', 'float8') == approx(fp8)
+    assert model_module.peak_flops('cpu', 'bfloat16') is None
+
+
+def test_mfu_of_an_fp8_run_is_against_the_bf16_peak(monkeypatch):
+    # Reference: FLOPs per token x tokens/s over the H100's bf16 peak (989.5 TFLOP/s), computed here; an FP8
+    # run passes its autocast dtype, bfloat16, as train.py does.
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: 'NVIDIA H100 80GB HBM3')
+    model = tiny_model()
+    assert model.estimate_mfu(1e6, 'cuda', 'bfloat16', 16) == pytest.approx(model.flops_per_token(16) * 1e6 / 989.5e12)
+
+
+def test_mfu_is_logged_with_the_peak_it_is_against(tmp_path, monkeypatch):
+    # Reference: the metrics line's own tokens/s and the model's FLOPs per token over a peak given here (the
+    # CPU has none, so one is faked for float32); the log line and the report name the TF32 peak.
+    peak = 2e12
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': peak if dtype == 'float32'
+                        else None)
+    monkeypatch.setattr(train, 'peak_flops', model_module.peak_flops)
+    data = write_data(tmp_path / 'data')
+    code, out = main_capture(['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16',
+                              '--block_size=8', '--batch_size=4', '--eval_iters=2', '--max_iters=2', '--log_interval=1',
+                              f'--data_dir={data}', f'--out_dir={tmp_path / "o"}'])
+    assert code == 0
+    assert 'MFU               of the TF32 peak, 2.0 TFLOP/s (cpu)' in out
+    assert 'of TF32 peak, ' in out.split('iter 1: loss')[1].splitlines()[0]
+    ckpt = train.load_checkpoint(str(tmp_path / 'o' / 'ckpt.pt'))
+    flops = GPT(GPTConfig(**ckpt['model_args'])).flops_per_token(8)
+    for record in (r for r in read_metrics(tmp_path / 'o') if 'loss' in r):
+        assert record['mfu'] == pytest.approx(flops * record['tokens_per_sec'] / peak, rel=1e-12)
+
+
+# ====================================================================================================
+# Part 2: on a CUDA GPU
+
+gpu = pytest.mark.skipif(not CUDA, reason='needs a CUDA GPU')
+SMALL = ['--n_layer=4', '--n_head=4', '--n_embd=256', '--block_size=256', '--batch_size=16']
+# FP8 converts only layers large enough to gain (train.fp8_layer_filter): rowwise needs N > 4096 or K > 2048
+WIDE = ['--n_layer=2', '--n_head=16', '--n_embd=2048', '--block_size=256', '--batch_size=8']
+COMMON = ['--device=cuda', '--max_iters=24', '--eval_interval=12', '--eval_iters=4', '--log_interval=1',
+          '--warmup_iters=4', '--lr_decay_iters=24', '--learning_rate=3e-3', '--min_lr=3e-4', '--dropout=0.0']
+BRANCHES = {  # name: (flags, modules it needs, what the start-up report must say)
+    'bf16 + fused AdamW': (SMALL + ['--dtype=bfloat16'], (), ['precision         bfloat16', 'fused AdamW']),
+    'fp16 + GradScaler': (SMALL + ['--dtype=float16'], (), ['precision         float16', 'GradScaler on']),
+    'compile default': (SMALL + ['--compile=True'], (), []),
+    'compile reduce-overhead': (SMALL + ['--compile=True', '--compile_mode=reduce-overhead'], (), []),
+    'adamw8bit': (SMALL + ['--optimizer=adamw8bit'], ('bitsandbytes',), []),
+    'paged_adamw8bit': (SMALL + ['--optimizer=paged_adamw8bit'], ('bitsandbytes',), []),
+    'muon': (SMALL + ['--optimizer=muon'], (), []),
+    'optimizer_offload': (SMALL + ['--optimizer_offload=True', '--grad_clip=0'], ('torchao',),
+                          ['stepped on the CPU (torchao)']),
+    'fp8 tensorwise + compile': (WIDE + ['--fp8=True', '--fp8_recipe=tensorwise', '--compile=True',
+                                         '--learning_rate=1e-3'], ('torchao',), ['fp8               tensorwise: ']),
+    'fp8 rowwise + compile': (WIDE + ['--fp8=True', '--fp8_recipe=rowwise', '--compile=True', '--learning_rate=1e-3'],
+                              ('torchao',), ['fp8               rowwise: ']),
+    'act. ckpt full + compile': (SMALL + ['--activation_checkpointing=full', '--compile=True'], (), []),
+    'act. ckpt selective + compile': (SMALL + ['--activation_checkpointing=selective', '--compile=True'], (), []),
+}
+# Relative tolerance of a resumed run's losses against the uninterrupted run's. The runs are in one process
+# with deterministic algorithms on (torch.use_deterministic_algorithms, cuBLAS workspace fixed above), so
+# the same kernels see the same inputs: bit for bit is expected everywhere; the summary shows the difference.
+RESUME_TOL = 0.0
+SUMMARY = []
+
+
+@pytest.fixture(scope='module')
+def gpu_data(tmp_path_factory):
+    """A char-level dataset of 64 ids: a random sequence of 97 repeated (learnable in a few dozen steps)."""
+    return write_data(tmp_path_factory.mktemp('cuda') / 'data', vocab=64, period=97, n_train=300_000, n_val=30_000)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def summary(request):
+    """After the module: the table of SUMMARY to the terminal and, when $OUT is set, to $OUT/test_cuda_summary.md."""
+    yield
+    if not SUMMARY:
+        return
+    lines = [f"test_cuda.py on {torch.cuda.get_device_name()}, torch {torch.__version__}", '',
+             '| branch | loss first -> last | resumed vs straight (max rel. diff of losses) | peak MB | seconds |',
+             '|---|---|---|---|---|']
+    lines += [f"| {r['branch']} | {r['first']:.4f} -> {r['last']:.4f} | {r['diff']} | {r['peak']} | "
+              f"{r['seconds']:.0f} |" for r in SUMMARY]
+    text = '\n'.join(lines) + '\n'
+    capture = request.config.pluginmanager.getplugin('capturemanager')  # shown even when the tests pass
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print('\n' + text)
+    if os.environ.get('OUT'):
+        with open(os.path.join(os.environ['OUT'], 'test_cuda_summary.md'), 'w') as f:
+            f.write(text)
+
+
+@pytest.fixture
+def deterministic_cuda():
+    """Deterministic kernels while the test runs (flash attention's backward, index_add, ...): a resumed
+    run and the uninterrupted one then compute alike. warn_only: an op without such a kernel warns."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def gpu_run(argv):
+    """train.main(argv) in this process, from a fresh Dynamo (no recompile limit across runs); returns
+    (stdout, Dynamo's graph breaks, seconds)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    code, out = main_capture(argv)
+    assert code == 0, out[-3000:]
+    return out, dict(torch._dynamo.utils.counters['graph_break']), time.time() - t0
+
+
+def straight_and_resumed(tmp_path, monkeypatch, data, flags):
+    """The uninterrupted run of 24 iterations, its checkpoint of iteration 12 kept aside, and a run resumed
+    from that checkpoint to 24. Returns both runs' (stdout, graph breaks, seconds, metrics)."""
+    straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+    save = train.save_checkpoint
+
+    def save_and_keep_12(path, state):
+        save(path, state)
+        if state['iter_num'] == 12 and path.endswith('ckpt.pt'):
+            os.makedirs(resumed, exist_ok=True)
+            shutil.copy(path, resumed / 'ckpt.pt')
+    monkeypatch.setattr(train, 'save_checkpoint', save_and_keep_12)
+    argv = COMMON + flags + [f'--data_dir={data}']
+    a = gpu_run(argv + [f'--out_dir={straight}'])
+    assert (resumed / 'ckpt.pt').exists()
+    b = gpu_run(argv + [f'--out_dir={resumed}', '--init_from=resume'])
+    return [(*run, read_metrics(out)) for run, out in ((a, straight), (b, resumed))]
+
+
+def losses(metrics, after=0):
+    return {(r['iter'], k): r[k] for r in metrics if r['iter'] > after for k in ('loss', 'val_loss') if k in r}
+
+
+@gpu
+@pytest.mark.parametrize('branch', BRANCHES)
+def test_branch_trains_and_resumes(branch, tmp_path, monkeypatch, gpu_data, deterministic_cuda):
+    # Reference: the uninterrupted run. The resumed run's losses from iteration 13 on must equal its losses
+    # (RESUME_TOL); the loss must fall; compile must be on with no graph break; peak memory and MFU logged.
+    flags, needs, says = BRANCHES[branch]
+    for module in needs:
+        pytest.importorskip(module, reason=f'{branch} needs {module}')
+    (out_a, breaks_a, sec_a, m_a), (out_b, breaks_b, sec_b, m_b) = straight_and_resumed(tmp_path, monkeypatch,
+                                                                                        gpu_data, flags)
+    train_a = [r for r in m_a if 'loss' in r]
+    want, got = losses(m_a, after=12), losses(m_b, after=12)
+    diff = max(abs(got[k] - want[k]) / abs(want[k]) for k in want) if got.keys() == want.keys() else math.inf
+    peak = max(r['peak_mem_mb'] for r in train_a)
+    SUMMARY.append(dict(branch=branch, first=train_a[0]['loss'], last=train_a[-1]['loss'], peak=f'{peak:,.0f}',
+                        diff='exact' if diff == 0 else f'{diff:.2e}', seconds=sec_a + sec_b))
+
+    iters = [r['iter'] for r in train_a]  # fp16: the GradScaler's first steps may overflow, skipped, unlogged
+    assert iters == sorted(set(iters)) and iters[-1] == 24 and len(iters) >= (20 if '--dtype=float16' in flags else 24)
+    assert all(math.isfinite(r['loss']) for r in train_a)
+    assert train_a[-1]['loss'] < 0.5 * train_a[0]['loss'], [r['loss'] for r in train_a]
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    assert diff <= RESUME_TOL, f"resumed vs straight: max relative difference {diff:.3g}\n{got}\n{want}"
+    assert 'resuming from' in out_b and 'at iteration 12' in out_b
+    assert all(r['peak_mem_mb'] > 0 for r in train_a) and 'peak mem' in out_a
+    assert all(r['mfu'] is None or 0 < r['mfu'] < 1 for r in train_a)
+    if model_module.peak_flops('cuda', 'bfloat16'):
+        assert all(r['mfu'] is not None for r in train_a)
+        assert ('of fp16 peak' if '--dtype=float16' in flags else 'of bf16 peak') in out_a
+    for words in says:
+        assert words in out_a, words
+    if '--compile=True' in flags:
+        for out, breaks in ((out_a, breaks_a), (out_b, breaks_b)):
+            assert '  compile           on (mode' in out, out[:5000]
+            assert breaks == {}, breaks
+    if '--fp8=True' in flags:
+        line = next(ln for ln in out_a.splitlines() if ln.startswith('  fp8 '))
+        assert 'none large enough' not in line and ' 0 linear layers' not in line, line
+    if branch == 'paged_adamw8bit':  # the resumed run's state is where a new run's is: paged
+        for out in (out_a, out_b):
+            line = next(ln for ln in out.splitlines() if ln.startswith('optimizer state: '))
+            assert 'paged CUDA managed memory' in line, line
+        line = next(ln for ln in out_b.splitlines() if ln.startswith('  optimizer state '))
+        assert 'paged CUDA managed memory' in line and 'from the first step' not in line, line
+
+
+@gpu
+def test_sample_from_an_fp8_checkpoint(tmp_path, gpu_data):
+    # Reference: sample.py's contract: num_samples rows of the prompt plus max_new_tokens characters of the
+    # dataset's vocabulary, from a checkpoint trained with FP8 layers (saved as plain nn.Linear weights).
+    pytest.importorskip('torchao', reason='FP8 needs torchao')
+    import sample
+    out_dir = tmp_path / 'fp8'
+    gpu_run(COMMON + WIDE + ['--fp8=True', '--max_iters=4', f'--data_dir={gpu_data}', f'--out_dir={out_dir}'])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        sample.main([f'--out_dir={out_dir}', f'--start={chr(0x100)}', '--num_samples=2', '--max_new_tokens=50'])
+    rows = [row for row in buf.getvalue().split('\n' + '-' * 80 + '\n') if row.strip()]
+    vocab = {chr(0x100 + i) for i in range(64)}
+    assert len(rows) == 2 and all(len(row) == 51 and set(row) <= vocab for row in rows), rows
+
+
+def subprocess_run(cmd, out_dir, timeout=300):
+    log = f'{out_dir}.log'
+    with open(log, 'w') as f:
+        rc = subprocess.run(cmd, cwd=HERE, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    with open(log) as f:
+        output = f.read()
+    assert rc == 0, output[-4000:]
+    return output
+
+
+@gpu
+def test_one_process_under_torchrun_matches_the_plain_run(tmp_path, gpu_data):
+    # Reference: the plain run. One process under torchrun must run the same path on the same GPU. The two
+    # are separate processes without deterministic kernels (flash attention's backward adds atomically):
+    # what comes before the first backward (iteration 0's evaluation, iteration 1's loss) is equal exactly,
+    # the later losses within 1e-2 relative, the learning rates exactly.
+    argv = COMMON + SMALL + ['--dtype=bfloat16', '--max_iters=12', f'--data_dir={gpu_data}']
+    t0 = time.time()
+    plain = subprocess_run([sys.executable, 'train.py', *argv, f'--out_dir={tmp_path / "plain"}'], tmp_path / 'plain')
+    under = subprocess_run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1',
+                            'train.py', *argv, f'--out_dir={tmp_path / "torchrun"}'], tmp_path / 'torchrun')
+    want, got = read_metrics(tmp_path / 'plain'), read_metrics(tmp_path / 'torchrun')
+    lw, lg = losses(want, after=-1), losses(got, after=-1)
+    diff = max(abs(lg[k] - lw[k]) / abs(lw[k]) for k in lw) if lg.keys() == lw.keys() else math.inf
+    train_w = [r for r in want if 'loss' in r]
+    SUMMARY.append(dict(branch='torchrun, 1 process (vs the plain run)', first=train_w[0]['loss'],
+                        last=train_w[-1]['loss'], diff='exact' if diff == 0 else f'{diff:.2e}',
+                        peak=f"{max(r['peak_mem_mb'] for r in train_w):,.0f}", seconds=time.time() - t0))
+    assert 'parallelism       off (one process)' in plain and 'parallelism       off (one process)' in under
+    assert [(r['iter'], sorted(r)) for r in got] == [(r['iter'], sorted(r)) for r in want]
+    assert lg[0, 'val_loss'] == lw[0, 'val_loss'] and lg[1, 'loss'] == lw[1, 'loss']
+    assert diff <= 1e-2, f"{lg}\n{lw}"
+    assert [r.get('lr') for r in got] == [r.get('lr') for r in want]
+
+
+@gpu
+def test_ddp_compile_with_activation_checkpointing_stays_compiled(tmp_path):
+    # Reference: the start-up report of both processes' run (2 processes, gloo on the CPU: one GPU cannot
+    # hold two NCCL ranks): compile on, Dynamo's DDP graph split off, no fallback warning, training done.
+    # 'selective': 'full' is checked in one process above.
+    data = write_data(tmp_path / 'data')
+    out = subprocess_run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          'train.py', '--device=cpu', '--dtype=float32', '--n_layer=2', '--n_head=2', '--n_embd=32',
+                          '--block_size=32', '--batch_size=4', '--gradient_accumulation_steps=2', '--eval_iters=4',
+                          '--max_iters=3', '--compile=True', '--activation_checkpointing=selective',
+                          f'--data_dir={data}', f'--out_dir={tmp_path / "ddp"}'], tmp_path / 'ddp')
+    assert 'parallelism       DDP, 2 processes' in out
+    assert 'compile           on (mode default), one graph under DDP (optimize_ddp off' in out, out[-4000:]
+    assert 'UNCOMPILED' not in out and 'done: 3 iterations' in out

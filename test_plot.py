@@ -1,0 +1,268 @@
+"""
+Tests for plot.py and for what train.py logs besides metrics.jsonl: out_dir/metrics.png, redrawn at each
+evaluation, and Weights & Biases (offline). References: the records of metrics.jsonl, read here without
+plot.py; the PNG file format; the records in wandb's own run file.
+
+    python -m pytest -q test_plot.py
+"""
+import builtins
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import plot
+import train
+from configurator import ConfigError
+from conftest import read_metrics, write_dataset
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
+        '--batch_size=4', '--eval_iters=2', '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2']
+PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+
+RECORDS = [  # what train.py writes: evaluations and training lines (mfu is null on a CPU)
+    {'iter': 0, 'tokens': 0, 'train_loss': 3.7, 'val_loss': 3.71},
+    {'iter': 1, 'tokens': 32, 'loss': 3.69, 'lr': 1e-3, 'tokens_per_sec': 900.0, 'mfu': None, 'peak_mem_mb': 1.0},
+    {'iter': 2, 'tokens': 64, 'loss': 3.5, 'lr': 2e-3, 'tokens_per_sec': 1000.0, 'mfu': None, 'peak_mem_mb': 1.0},
+    {'iter': 2, 'tokens': 64, 'train_loss': 3.4, 'val_loss': 3.45},
+    {'iter': 3, 'loss': 3.3, 'lr': 1.5e-3, 'tokens_per_sec': 1100.0, 'mfu': 0.1},  # no tokens: an older file
+]
+
+
+def tiny_data(root):
+    ids = np.random.default_rng(0).integers(0, 40, 2400)
+    return write_dataset(root / 'data', ids[:2000], ids[2000:], 40)
+
+
+def png_size(path):
+    """(width, height) from the PNG header; an error if the file is not a PNG."""
+    with open(path, 'rb') as f:
+        head = f.read(24)
+    assert head[:8] == PNG_SIGNATURE and head[12:16] == b'IHDR', f"{path} is not a PNG"
+    return struct.unpack('>II', head[16:24])
+
+
+def write_metrics(out_dir, records):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'metrics.jsonl'), 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in records)
+    return str(out_dir)
+
+
+def line_data(ax, label):
+    lines = [ln for ln in ax.lines if ln.get_label() == label]
+    assert len(lines) == 1, [ln.get_label() for ln in ax.lines]
+    return list(lines[0].get_xdata()), list(lines[0].get_ydata())
+
+# ----------------------------------------------------------------------------------------------------
+# plot.py
+
+
+def test_series_are_the_records_fields():
+    # reference: each field's records picked out by hand
+    curves = plot.series(RECORDS)
+    assert sorted(curves) == ['loss', 'lr', 'tokens_per_sec', 'train_loss', 'val_loss']
+    assert curves['loss'] == ([1, 2, 3], [32, 64, None], [3.69, 3.5, 3.3])
+    assert curves['val_loss'] == ([0, 2], [0, 64], [3.71, 3.45])
+    assert curves['train_loss'] == ([0, 2], [0, 64], [3.7, 3.4])
+    assert curves['lr'] == ([1, 2, 3], [32, 64, None], [1e-3, 2e-3, 1.5e-3])
+    assert curves['tokens_per_sec'][2] == [900.0, 1000.0, 1100.0]
+
+
+def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
+    other = [dict(r, **{k: v * 2 for k, v in r.items() if 'loss' in k}) for r in RECORDS]
+    a, b = write_metrics(tmp_path / 'run_a', RECORDS), write_metrics(tmp_path / 'run_b', other)
+    out = tmp_path / 'compare.png'
+    figures, draw = [], plot.draw
+    monkeypatch.setattr(plot, 'draw', lambda runs, path: figures.append(draw(runs, path)) or figures[-1])
+    plot.main([a, b + '/', f'--out={out}'])
+    assert f'wrote {out}' in capsys.readouterr().out
+    assert png_size(out) == (960, 640) and sorted(os.listdir(tmp_path)) == ['compare.png', 'run_a', 'run_b']
+    # the figure's curves are the files' records: by iteration (with the run's name), by tokens, lr, tokens/s
+    by_iter, by_tokens, lr, speed = figures[0].axes
+    for run, records in ((a, RECORDS), (b, other)):
+        evals = [r for r in records if 'val_loss' in r]
+        assert line_data(by_iter, f'{run}: val_loss') == ([r['iter'] for r in evals], [r['val_loss'] for r in evals])
+        trains = [r for r in records if 'loss' in r]
+        assert line_data(by_iter, f'{run}: loss') == ([r['iter'] for r in trains], [r['loss'] for r in trains])
+        assert line_data(lr, run) == ([r['iter'] for r in trains], [r['lr'] for r in trains])
+    tokens_lines = {tuple(ln.get_ydata()): list(ln.get_xdata()) for ln in by_tokens.lines}
+    assert tokens_lines[(3.71, 3.45)] == [0, 64] and tokens_lines[(3.69, 3.5)] == [32, 64]  # no tokens: left out
+
+
+def test_missing_or_empty_metrics_are_errors_naming_them(tmp_path, capsys):
+    good = write_metrics(tmp_path / 'good', RECORDS)
+    empty = write_metrics(tmp_path / 'empty', [])
+    for bad, message in ((str(tmp_path / 'nothing'), 'not found'), (empty, 'is empty')):
+        with pytest.raises(SystemExit) as e:
+            plot.main([good, bad, f'--out={tmp_path / "x.png"}'])
+        assert e.value.code == 1
+        err = capsys.readouterr().err
+        assert f"plot.py: error: {os.path.join(bad, 'metrics.jsonl')} " in err and message in err
+    assert not (tmp_path / 'x.png').exists()
+    with open(os.path.join(good, 'metrics.jsonl'), 'a') as f:
+        f.write('{"iter": 4, "lo')  # a line being written: left out
+    assert plot.read_metrics(good) == RECORDS
+    with open(os.path.join(good, 'metrics.jsonl'), 'a') as f:
+        f.write('ss": 1\n{"iter": 5}\n')
+    with pytest.raises(ValueError, match=r'metrics\.jsonl, line 6: not a JSON record'):
+        plot.read_metrics(good)
+
+# ----------------------------------------------------------------------------------------------------
+# train.py: metrics.png
+
+
+def test_training_redraws_metrics_png_at_each_evaluation(tmp_path, monkeypatch):
+    # evaluations at 0 and 2, then the end at 3: three drawings, each of metrics.jsonl as it was then
+    monkeypatch.setattr(train, 'PLOT_EVERY_S', 0)  # evaluations a few ms apart may all redraw
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    drawn, draw = [], plot.draw
+
+    def spy(runs, path):
+        fig = draw(runs, path)
+        drawn.append((runs, read_metrics(out), open(path, 'rb').read(), fig.axes[0]))
+        return fig
+    monkeypatch.setattr(plot, 'draw', spy)
+    assert train.main(TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=3']) == 0
+    assert [records[-1]['iter'] for _, records, _, _ in drawn] == [0, 2, 3]
+    for runs, records, png, by_iter in drawn:
+        assert runs == {str(out): records}  # the whole file, as it stood
+        evals = [r for r in records if 'val_loss' in r]
+        assert line_data(by_iter, f'{out}: val_loss') == ([r['iter'] for r in evals], [r['val_loss'] for r in evals])
+    pngs = [png for _, _, png, _ in drawn]
+    assert all(png.startswith(PNG_SIGNATURE) for png in pngs) and len(set(pngs)) == 3  # redrawn each time
+    assert (out / 'metrics.png').read_bytes() == pngs[-1] and not (out / 'metrics.png.tmp').exists()
+    records = read_metrics(out)
+    assert [r['tokens'] for r in records] == [r['iter'] * 4 * 8 for r in records]  # batch 4 x block 8
+
+
+def test_failed_plot_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    # a full disk while the PNG is written: half a file, then an error
+    from matplotlib.figure import Figure
+
+    def savefig(self, path, **kwargs):
+        with open(path, 'wb') as f:
+            f.write(PNG_SIGNATURE)
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(Figure, 'savefig', savefig)
+    monkeypatch.setattr(train, 'PLOT_EVERY_S', 0)
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    assert train.main(TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=3']) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if 'warning' in ln]
+    assert warnings == [f"warning: could not draw {out / 'metrics.png'} (OSError: [Errno 28] No space left on "
+                        f"device); training goes on"] * 3  # evaluations at 0 and 2, the end at 3
+    assert sorted(os.listdir(out)) == ['best.pt', 'ckpt.pt', 'metrics.jsonl']  # no half-written PNG
+    assert read_metrics(out)[-1]['iter'] == 3 and train.load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 3
+
+
+def test_fast_evaluations_redraw_at_most_every_plot_every_s(tmp_path, monkeypatch):
+    # evaluations at 0, 2, 4 within PLOT_EVERY_S of the start: one drawing, at the end, of every record;
+    # a second run from scratch moves the first one's plot aside with its other files
+    monkeypatch.setattr(train, 'PLOT_EVERY_S', 3600)  # however slow the machine: the default is 30
+    drawn, draw = [], plot.draw
+    monkeypatch.setattr(plot, 'draw', lambda runs, path: drawn.append(runs) or draw(runs, path))
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    flags = TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=5']
+    assert train.main(flags) == 0
+    assert drawn == [{str(out): read_metrics(out)}] and read_metrics(out)[-1]['iter'] == 5
+    first = (out / 'metrics.png').read_bytes()
+    assert train.main(flags + ['--seed=2']) == 0
+    [previous] = glob.glob(str(out / 'previous-*'))
+    assert open(os.path.join(previous, 'metrics.png'), 'rb').read() == first
+
+# ----------------------------------------------------------------------------------------------------
+# train.py: wandb, and what train.py imports
+
+
+def run_python(code, env=None, timeout=120):
+    proc = subprocess.run([sys.executable, '-c', code], cwd=HERE, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS='1', **(env or {})))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_train_imports_wandb_only_when_wandb_log_is_on(tmp_path, monkeypatch):
+    # every import statement that runs during a training run with wandb_log=False (the default)
+    imported, real_import = [], builtins.__import__
+
+    def record_import(name, *args, **kwargs):
+        imported.append(name)
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, '__import__', record_import)
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    assert train.main(TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=2']) == 0
+    assert 'plot' in imported and not [name for name in imported if name.split('.')[0] == 'wandb']
+
+
+def read_wandb_records(path):
+    """The records of a .wandb run file: wandb's LevelDB-style log (a 7-byte header, then 32 KiB blocks of
+    records, each with a 7-byte header: CRC, length, type; types 2-4 are the first, middle and last parts of a
+    record split across blocks) of wandb_internal Record protobufs."""
+    from wandb.proto import wandb_internal_pb2
+    with open(path, 'rb') as f:
+        data = f.read()
+    assert data[:4] == b':W&B', f"{path} is not a wandb run file"
+    records, pos, part = [], 7, b''
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+        if kind == 0:
+            break
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last part of one
+            records.append(wandb_internal_pb2.Record.FromString(part))
+            part = b''
+    return records
+
+
+def test_wandb_offline_logs_the_records_of_metrics_jsonl(tmp_path):
+    pytest.importorskip('wandb')
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    flags = TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=3',
+                    '--wandb_log=True', '--wandb_run_name=tiny-offline', '--wandb_project=gpt-tests']
+    run_python(f"import sys, train\n"
+               f"assert 'wandb' not in sys.modules and 'matplotlib' not in sys.modules  # nothing slow at start-up\n"
+               f"assert train.main({flags!r}) == 0",
+               env={'WANDB_MODE': 'offline', 'WANDB_DIR': str(tmp_path), 'WANDB_SILENT': 'true'})
+    [run_file] = glob.glob(str(tmp_path / 'wandb' / 'offline-run-*' / 'run-*.wandb'))
+    records = read_wandb_records(run_file)
+    history = [{item.key or '.'.join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in records if r.WhichOneof('record_type') == 'history']
+    logged = [{k: v for k, v in row.items() if not k.startswith('_')} for row in history]
+    assert logged == read_metrics(out) and len(logged) == 5  # evaluations at 0, 2; training lines 1, 2, 3
+    [run] = [r.run for r in records if r.WhichOneof('record_type') == 'run']
+    assert (run.project, run.display_name) == ('gpt-tests', 'tiny-offline')
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config['n_embd'] == 16 and config['wandb_log'] is True
+
+
+def test_wandb_only_in_process_0_and_imported_only_when_on(monkeypatch):
+    calls = []
+    fake = SimpleNamespace(init=lambda **kwargs: calls.append(kwargs) or 'run')
+    monkeypatch.setitem(sys.modules, 'wandb', fake)
+    cfg = SimpleNamespace(wandb_log=True, wandb_project='p', wandb_run_name='')
+    assert train.start_wandb(SimpleNamespace(cfg=cfg, master=False)) is None and calls == []
+    assert train.start_wandb(SimpleNamespace(cfg=cfg, master=True)) == 'run'
+    assert calls == [dict(project='p', name=None, config=vars(cfg))]
+    monkeypatch.setitem(sys.modules, 'wandb', None)  # any import of wandb now fails
+    off = SimpleNamespace(wandb_log=False, wandb_project='p', wandb_run_name='')
+    assert train.start_wandb(SimpleNamespace(cfg=off, master=True)) is None
+
+
+def test_wandb_log_without_wandb_is_an_error_before_training(tmp_path, monkeypatch):
+    find_spec = train.importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, 'find_spec',
+                        lambda name, *a: None if name == 'wandb' else find_spec(name, *a))
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    with pytest.raises(ConfigError, match=r'wandb_log=True needs wandb: `pip install wandb`'):
+        train.main(TINY + [f'--data_dir={data}', f'--out_dir={out}', '--wandb_log=True'])
+    assert not out.exists()
