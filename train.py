@@ -46,6 +46,7 @@ import time
 
 START_TIME = time.time()  # first of all, before the heavy imports: time_s counts from here (see log_metrics)
 
+import collections  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -59,15 +60,15 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from contextlib import contextmanager, nullcontext, suppress  # noqa: E402
-from types import SimpleNamespace
+from types import SimpleNamespace  # noqa: E402
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,  # noqa: E402
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------
 # defaults: every name here can be set from a config file or a --key=value flag
@@ -438,7 +439,8 @@ def configure_optimizer(model, cfg, device_type, fused=None):
         hidden = [p for n, p in params if p.dim() == 2 and n.startswith('blocks.')]
         groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
         parts = model.fused_parts() if cfg.muon_split else {}
-        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, ns_steps=cfg.muon_ns_steps, parts=parts)
+        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, ns_steps=cfg.muon_ns_steps,
+                    parts=parts)
         return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=fused or None))
     if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
         bnb = import_bitsandbytes(cfg.optimizer, device_type)
