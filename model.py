@@ -117,7 +117,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt_()
+        rstd = (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
         ctx.save_for_backward(x, weight, rstd)
         return x * rstd * weight
 
