@@ -409,7 +409,7 @@ def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', c
     r = SimpleNamespace(cfg=opt_cfg(compile=True, activation_checkpointing=checkpointing, parallelism=parallelism),
                         world=world, model=model, wrapped=model, device='cpu', device_type='cpu',
                         optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
-                        eval_splits={'train': SimpleNamespace(next_batch=(x, y))}, autocast=contextlib.nullcontext())
+                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext())
     # NOTE: Dynamo's config, not monkeypatch: monkeypatch's undo would delete the key from Dynamo's config
     with torch._dynamo.config.patch(optimize_ddp=True):  # the default, restored after
         return seen, train.compile_model(r)

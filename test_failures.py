@@ -1169,7 +1169,7 @@ def test_out_dir_error_under_torchrun_stops_every_process(data, tmp_path):
 # 12. config values out of range: an error naming the key before anything is read or built
 
 NAN, INF = float('nan'), float('inf')
-BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 is left out: it may come to mean all)
+BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 means the whole val split)
     'batch_size': [0, -1], 'block_size': [0, -8], 'gradient_accumulation_steps': [0, -2], 'n_layer': [0, -1],
     'n_head': [0, -2], 'n_embd': [0, -16], 'eval_interval': [0, -1], 'eval_iters': [-1], 'log_interval': [0, -1],
     'max_nonfinite_steps': [0, -1], 'max_iters': [-1], 'warmup_iters': [-1], 'lr_decay_iters': [-1],
@@ -1180,6 +1180,8 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 is left ou
     'beta1': [-0.1, 1.0, NAN, INF], 'beta2': [-0.5, 1.0, 1.5, NAN],
     'rope_base': [1.0, 0.5, 0.0, -10000.0, NAN, INF],
     'out_dir': [''], 'data_dir': [''],
+    'muon_ns_steps': [0, -1], 'logit_softcap': [-1.0, NAN, INF],
+    'wsd_decay_frac': [0.0, 1.5, -0.1, NAN], 'lr_schedule': ['linear'], 'mlp': ['relu'],
     'init_from': ['resum'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
     'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'],
     'device': ['gpu', 'meta', 'cuda', 'cuda:7', 'mps'],

@@ -133,7 +133,7 @@ fp8_recipe = 'tensorwise'       # 'tensorwise' or 'rowwise' scaling
 max_nonfinite_steps = 10        # stop after this many consecutive steps with a NaN/inf loss or gradient
 parallelism = 'ddp'             # under torchrun: 'ddp' (replicate the model) or 'fsdp' (FSDP2: shard it)
 DEFAULTS = {k: v for k, v in dict(globals()).items()
-            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
+            if k == k.lower() and not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 # ----------------------------------------------------------------------------------------------------
 
 from configurator import configure, ConfigError, read_config_file  # noqa: E402
