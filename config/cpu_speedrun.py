@@ -1,0 +1,34 @@
+# The CPU speedrun: the lowest validation loss in the least wall time on 2 CPU cores, for the 0.87M-parameter
+# character-level model of config/train_small.py (python prepare_data.py writes data/shakespeare_char).
+# The loss is over the whole validation split (eval_iters=0), once, at the end; metrics.jsonl's time_s says
+# when it was reached, start-up included. BENCHMARKS.md ("The CPU speedrun") has each change and its figures.
+#   python train.py config/cpu_speedrun.py
+# For a third of the time: --max_iters=400 (the schedule follows max_iters).
+out_dir = 'out-cpu-speedrun'
+data_dir = 'data/shakespeare_char'
+eval_iters = 0             # the whole val split, every window once: no sampling noise between runs
+eval_at_start = False      # the untrained loss is not worth 12 s here
+eval_interval = 1200       # = max_iters: one evaluation, at the end
+log_interval = 100
+
+n_layer = 4                # 869,504 parameters, embeddings included
+n_head = 4
+n_embd = 128
+block_size = 128
+dropout = 0.0
+
+batch_size = 8             # 1,024 tokens per step: at this size a step costs about its tokens, and small
+gradient_accumulation_steps = 1  # batches learn more per token (8 x 128 beat 32 x 128 at equal tokens)
+
+optimizer = 'muon'         # Muon on the blocks' matrices, AdamW on embeddings and norms
+muon_split = True          # q, k, v and gate, up orthogonalized as separate matrices: the largest single gain
+learning_rate = 4e-3
+min_lr = 4e-4
+max_iters = 1200
+lr_decay_iters = 0         # 0: max_iters
+lr_schedule = 'wsd'        # warmup, stable, then a linear decay over the last 40%: better than cosine here
+wsd_decay_frac = 0.4
+warmup_iters = 30
+weight_decay = 0.1
+beta2 = 0.99
+compile = False            # on the CPU, compiling costs more time (60 s and up) than it saves in a 2-minute run
