@@ -1,7 +1,9 @@
 """
 Benchmark the speed-ups of model.py and train.py as an ablation ladder, each rung adding one optimization
 to the rung before, then the memory options, each alone on top of the last rung; or (--mode=fit) find the
-largest micro-batch that fits in GPU memory. Steps, optimizer and data are train.py's.
+largest micro-batch that fits in GPU memory; or (--mode=profile) profile the top rung's step: its kernels by
+time and the share of matmuls, attention, memory copies, elementwise and optimizer, and the device's idle
+time. Steps, optimizer and data are train.py's.
 
     python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
@@ -9,6 +11,7 @@ largest micro-batch that fits in GPU memory. Steps, optimizer and data are train
     python bench.py --batch_size=8 --n_layer=24 --steps=20 --out=bench_h100
     python bench.py --rungs=8,12 --n_layer=16 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1B
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
+    python bench.py --mode=profile                   # out/profile.md: where the compiled 124M step spends its time
 
 The ladder:
   1 fp32 eager       float32, SDPA's unfused math kernel (SDPBackend.MATH), separate q/k/v projections
@@ -38,8 +41,10 @@ every device): the bytes saved for backward in one micro-step, after the timed s
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line.
 """
+import collections
 import gc
 import json
+import math
 import os
 import platform
 import shlex
@@ -229,8 +234,9 @@ def precision(s):
     return text + (' + FP8 linears' if s['fp8'] else '') + (', 8-bit AdamW' if s['optimizer'] != 'adamw' else '')
 
 
-def run_rung(s, env):
-    """Train from env.state with settings s on env's batches: timings, memory and the final loss."""
+def run_rung(s, env, timed=nullcontext):
+    """Train from env.state with settings s on env's batches: timings, memory and the final loss. The timed
+    steps run inside timed() (profile mode: torch.profiler), whose result is returned as 'timed'."""
     torch._dynamo.reset()  # drop the last rung's graphs: a fresh compile, never the cache limit's eager fallback
     gc.collect()
     if env.device_type == 'cuda':
@@ -269,12 +275,13 @@ def run_rung(s, env):
         if env.device_type == 'cuda':
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(env.device)
-        for _ in range(env.repeats):
-            t0 = time.perf_counter()
-            for _ in range(env.steps):
-                loss = step()[0]
-            loss = loss.item()  # waits for the device (CUDA, MPS) to finish
-            times.append((time.perf_counter() - t0) / env.steps)
+        with timed() as watcher:
+            for _ in range(env.repeats):
+                t0 = time.perf_counter()
+                for _ in range(env.steps):
+                    loss = step()[0]
+                loss = loss.item()  # waits for the device (CUDA, MPS) to finish
+                times.append((time.perf_counter() - t0) / env.steps)
         x, y = batches.next()  # one more micro-step, untimed, to count what it saves for backward
         with autocast:
             micro_loss, saved = activation_bytes(model, lambda: net(x, y)[1], eager=not s['compile'])
@@ -285,7 +292,8 @@ def run_rung(s, env):
     return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
                 mfu=model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size),
                 peak_mem_mb=torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device_type == 'cuda' else None,
-                activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20)
+                activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20,
+                **({'timed': watcher} if watcher is not None else {}))
 
 
 def ladder(env):
@@ -442,6 +450,90 @@ def fit(env):
 
 
 # ----------------------------------------------------------------------------------------------------
+# profile mode
+
+# kernel (or CPU operator) name -> kind; the first pattern that matches wins, in this order
+KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 'newton')),
+         ('attention', ('flash', 'fmha', 'attention', 'sdpa')),
+         ('matmul', ('gemm', 'matmul', 'cutlass', 'nvjet', 'xmma', 'wgmma', 'aten::mm', 'aten::addmm', 'aten::bmm',
+                     'aten::baddbmm', 'aten::linear', 'scaled_mm')),
+         ('memory copy', ('memcpy', 'memset', 'copy_', 'aten::cat', 'aten::clone')),
+         ('elementwise and other', ('',))]
+
+
+def kind_of(name):
+    name = name.lower()
+    return next(kind for kind, patterns in KINDS if any(p in name for p in patterns))
+
+
+def in_optimizer_step(event):
+    while event is not None:
+        if event.name.startswith('Optimizer.step'):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def profile(env):
+    """The top rung's optimizer steps under torch.profiler: the kernels (CUDA) or operators (CPU) that take the
+    most time, and the share of each kind, with the device's idle time (CUDA: the step's wall time that no
+    kernel covers: launch gaps, data loading, host syncs). Writes out/profile.md."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = env.device_type == 'cuda'
+    s = dict(BASE)
+    for _, change in LADDER:
+        if not why_skip(change, env):
+            s.update({k: env.mixed if v == 'mixed' else v for k, v in change.items()})
+    env.repeats = 1
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    row = run_rung(s, env, timed=lambda: torch_profile(activities=activities))
+    prof, wall_ms = row['timed'], row['ms_per_iter'] * env.steps
+    if cuda:  # kernels: their own device time, and the busy intervals they cover
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy, end = 0.0, -math.inf
+        for e in sorted(events, key=lambda e: e.time_range.start):  # the union of the kernels' intervals
+            start, stop = max(e.time_range.start, end), e.time_range.end
+            busy, end = busy + max(0.0, stop - start), max(end, stop)
+        spent = [(e.name, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+        busy_ms, what = busy / 1000, 'kernel'
+    else:  # operators: their own CPU time
+        spent = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        busy_ms, what = sum(t for _, t in spent) / 1000, 'operator'
+    spent.sort(key=lambda kv: -kv[1])
+    total = sum(t for _, t in spent) or 1.0
+    shares = collections.Counter()  # by kind; what runs inside the optimizer's step is the optimizer's
+    for e in prof.events():
+        t = e.device_time_total if cuda else e.self_cpu_time_total
+        if t > 0 and (e.device_type == torch.autograd.DeviceType.CUDA) == cuda:
+            shares['optimizer' if in_optimizer_step(e) else kind_of(e.name)] += t
+    meta = env.meta
+    lines = ['# bench.py: profile of the top rung', '', f"- command: `{meta['command']}`", f"- date: {meta['date']}",
+             f"- device: {meta['device']}; torch {meta['torch']}", f"- model: {meta['params'] / 1e6:.2f}M parameters; "
+             f"{meta['tokens_per_iter']:,} tokens per step ({meta['batch_size']} x {meta['block_size']} x "
+             f"{meta['gradient_accumulation_steps']})", f"- rung: {precision(s)}; " + ', '.join(
+                 k for k, v in s.items() if v is True), f"- profiled: {env.steps} step(s) after {env.warmup} warm-up "
+             f"step(s): {wall_ms:,.1f} ms wall, {row['tokens_per_sec']:,.0f} tokens/s" + (
+                 f", MFU {row['mfu']:.1%}" if row['mfu'] else ''), '',
+             '| kind | time (ms) | share |', '|---|---:|---:|']
+    lines += [f"| {kind} | {t / 1000:,.1f} | {t / total:.1%} |" for kind, t in shares.most_common()]
+    if cuda:
+        lines.append(f"| device idle (wall time no kernel covers) | {max(0.0, wall_ms - busy_ms):,.1f} | "
+                     f"{max(0.0, 1 - busy_ms / wall_ms):.1%} of wall |")
+    lines += ['', f'| top {what}s by time | kind | time (ms) | share | calls |', '|---|---|---:|---:|---:|']
+    calls = {e.key: e.count for e in prof.key_averages()}
+    for name, t in spent[:25]:
+        short = name if len(name) <= 90 else name[:87] + '...'
+        lines.append(f"| `{short}` | {kind_of(name)} | {t / 1000:,.1f} | {t / total:.1%} | {calls.get(name, '')} |")
+    text = '\n'.join(lines) + '\n'
+    os.makedirs(env.out, exist_ok=True)
+    with open(os.path.join(env.out, 'profile.md'), 'w') as f:
+        f.write(text)
+    print(text + f"\nwrote {env.out}/profile.md")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
 
 def device_name(device_type, device):
     if device_type == 'cuda':
@@ -467,7 +559,8 @@ def step_note(preset, tokens_per_iter):
 def setup(argv):
     """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
     a = configure(DEFAULTS, argv)
-    choices = {'mode': ('ladder', 'fit'), 'preset': ('auto', *PRESETS), 'dtype': ('auto', 'bfloat16', 'float16')}
+    choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
+               'dtype': ('auto', 'bfloat16', 'float16')}
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -518,6 +611,8 @@ def main(argv):
     env = setup(argv)
     if env.mode == 'fit':
         return fit(env)
+    if env.mode == 'profile':
+        return profile(env)
     meta = env.meta
     print(f"bench: {meta['device']}, torch {meta['torch']}, preset {env.preset}, {meta['params'] / 1e6:.2f}M "
           f"params, {meta['tokens_per_iter']:,} tokens/iter; data: {meta['data']}", flush=True)

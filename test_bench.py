@@ -10,6 +10,7 @@ computed from the shapes (checkpointing full and selective per block, the logits
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -100,6 +101,28 @@ def test_rungs_runs_only_those_with_the_settings_of_the_whole_ladder(result, tmp
     for bad, words in (('0,3', 'numbered 1 to 12'), ('x', 'rung numbers separated by commas')):
         with pytest.raises(bench.ConfigError, match=words):
             bench.setup([*TINY, f'--rungs={bad}'])
+
+
+def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
+    # Reference: the kinds of known kernel names (CUDA's, as the profiler reports them), and on the CPU a
+    # profile whose shares cover all the operator time: the optimizer's step and the matmuls are there.
+    names = {'sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64': 'matmul',
+             'nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN': 'matmul',
+             'void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>': 'attention',
+             'cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3': 'attention',
+             'void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>':
+                 'optimizer',
+             'triton_red_fused__log_softmax_backward_data_mul_0': 'elementwise and other',
+             'triton_poi_fused_add_mul_rsqrt_1': 'elementwise and other',
+             'Memcpy HtoD (Pageable -> Device)': 'memory copy'}
+    for name, kind in names.items():
+        assert bench.kind_of(name) == kind, name
+    assert bench.main([*TINY, f'--out={tmp_path}', '--mode=profile']) == 0
+    text = (tmp_path / 'profile.md').read_text()
+    shares = dict(re.findall(r'^\| ([a-z ]+) \| [\d,.]+ \| ([\d.]+)% \|$', text, re.M))
+    assert {'optimizer', 'matmul', 'attention'} <= set(shares), text
+    assert sum(map(float, shares.values())) == pytest.approx(100, abs=0.5)
+    assert 'top operators by time' in text and '`aten::mm`' in text
 
 
 class KVSwapped(bench.SeparateQKVAttention):
