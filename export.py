@@ -193,6 +193,9 @@ def load_hf_weights(path, c):
 
 def hf_config(c, eot, dtype):
     """config.json for a model of config c: Qwen3 with QK-norm, else Llama."""
+    if c.logit_softcap:
+        raise ValueError(f"logit_softcap={c.logit_softcap}: Llama and Qwen3 do not cap their logits, so the exported "
+                         f"model would compute other probabilities; train with logit_softcap=0 to export")
     if c.mlp != 'swiglu':
         raise ValueError(f"mlp={c.mlp!r}: Llama and Qwen3 use SwiGLU, so transformers has no architecture for "
                          f"this model; train with mlp='swiglu' to export")

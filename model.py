@@ -125,7 +125,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         gw = grad * weight
-        dot = torch.linalg.vecdot(gw, x).unsqueeze(-1).mul_(rstd.pow(3) / x.size(-1))
+        dot = (gw * x).sum(-1, keepdim=True).mul_(rstd.pow(3) / x.size(-1))  # (not vecdot: autocast lowers it)
         dx = torch.addcmul(gw * rstd, x, dot, value=-1)
         dw = (grad * x * rstd).flatten(0, -2).sum(0)
         return dx, dw, None

@@ -555,6 +555,9 @@ def test_export_bfloat16_and_refusals(tmp_path):
     our_checkpoint(tmp_path / 'gelu.pt', seed=0, mlp='gelu')
     with pytest.raises(ValueError, match="mlp='gelu': Llama and Qwen3 use SwiGLU"):
         export.main([f'--out_dir={tmp_path}', '--ckpt=gelu.pt'])
+    our_checkpoint(tmp_path / 'capped.pt', seed=0, logit_softcap=15.0)  # transformers' Llama would not cap
+    with pytest.raises(ValueError, match="logit_softcap=15.0: Llama and Qwen3 do not cap their logits"):
+        export.main([f'--out_dir={tmp_path}', '--ckpt=capped.pt'])
 
 
 def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):

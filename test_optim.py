@@ -320,16 +320,19 @@ def spread_gradient(shape, generator, lo=1.0, hi=20.0):
     return (U * s) @ V.T, U @ V.T
 
 
-def test_muon_update_matches_a_hand_written_step():
+@pytest.mark.parametrize('ns_steps', [5, 2])
+def test_muon_update_matches_a_hand_written_step(ns_steps):
     # Reference: Muon written from the papers (Jordan 2024; Liu et al. 2025, "match_rms_adamw"):
     # B <- mu B + g, nesterov u = g + mu B, O = NS5(u), W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O,
     # computed here in float64, for two steps with two different gradients (the second step tells nesterov
     # momentum from none: 30% apart). torch runs NS in bfloat16 (1.3% apart here), hence the 3% tolerance.
     # A wrong lr scaling ('original': 1 or sqrt(3) instead of 1.6 or 2.8), momentum without nesterov, or
-    # weight decay left out (large wd here: 20-45% of the step) are far outside it.
+    # weight decay left out (large wd here: 20-45% of the step) are far outside it; so is another number of
+    # Newton-Schulz iterations than muon_ns_steps (2 instead of 5 leaves the small singular values short).
     lr, wd, mu = 2e-2, 4.0, 0.95
     model = tiny_model(n_layer=2)
-    optimizer = train.configure_optimizer(model, opt_cfg(optimizer='muon', learning_rate=lr, weight_decay=wd), 'cpu')
+    cfg = opt_cfg(optimizer='muon', learning_rate=lr, weight_decay=wd, muon_ns_steps=ns_steps)
+    optimizer = train.configure_optimizer(model, cfg, 'cpu')
     hidden = hidden_names(model)
     params = dict(model.named_parameters())
     ref = {n: params[n].detach().clone() for n in hidden}
@@ -343,7 +346,7 @@ def test_muon_update_matches_a_hand_written_step():
             bufs[n] = mu * bufs[n] + g
             u = g + mu * bufs[n]
             A, B = ref[n].shape
-            ref[n] = ref[n] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(A, B)) * newton_schulz_ref(u)
+            ref[n] = ref[n] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(A, B)) * newton_schulz_ref(u, ns_steps)
         before = {n: params[n].detach().clone() for n in hidden}
         optimizer.step()
         for n in sorted(hidden):
@@ -834,7 +837,8 @@ def test_muon_matches_torch_muon():
         for n in shapes:
             assert rel_err(got[step][n], want[step][n]) < 0.03, (step, n)
     # float64 reference, momentum as torch keeps it (an exponential average; Newton-Schulz ignores the scale)
-    w, buf = {n: x.double() for n, x in weights.items()}, {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()}
+    w = {n: x.double() for n, x in weights.items()}
+    buf = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes.items()}
     for step, g in enumerate(grads):
         for n in shapes:
             buf[n] = 0.95 * buf[n] + 0.05 * g[n].double()
@@ -862,13 +866,15 @@ def test_muon_split_orthogonalizes_each_part_alone(n_kv_head, mlp):
     for _ in range(2):
         g = {}
         for n, p in hidden.items():
-            pieces = [spread_gradient((r, p.size(1)), gen)[0] * 10.0 ** i for i, r in enumerate(parts.get(p, [p.size(0)]))]
+            rows = parts.get(p, [p.size(0)])
+            pieces = [spread_gradient((r, p.size(1)), gen)[0] * 10.0 ** i for i, r in enumerate(rows)]
             g[n] = torch.cat(pieces)
         grads.append(g)
     separate = {(n, i): nn.Parameter(piece.detach().clone()) for n, p in hidden.items()
                 for i, piece in enumerate(p.split(parts.get(p, [p.size(0)])))}
     torch_muon = torch.optim.Muon(list(separate.values()), lr=lr, weight_decay=wd, adjust_lr_fn='match_rms_adamw')
-    sep_grads = [{(n, i): piece for n in g for i, piece in enumerate(g[n].split(parts.get(hidden[n], [hidden[n].size(0)])))}
+    sep_grads = [{(n, i): piece for n in g
+                  for i, piece in enumerate(g[n].split(parts.get(hidden[n], [hidden[n].size(0)])))}
                  for g in grads]
     want = muon_steps(torch_muon, separate, sep_grads)
     unsplit = tiny_model(n_layer=2, n_kv_head=n_kv_head, mlp=mlp)

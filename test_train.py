@@ -8,6 +8,7 @@ parameter counts from the config, and a straight training run for resume.
     python -m pytest -q test_train.py
 """
 import copy
+import io
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import random
 import subprocess
 import sys
 import time as time_module
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from types import SimpleNamespace
 
 import numpy as np
@@ -1046,7 +1047,8 @@ def test_whole_split_eval_covers_every_window_once():
         got = train.Windows(tokens, batch_size, T, 'cpu').mean_loss(model, nullcontext())
         assert got == pytest.approx(want, rel=1e-6), batch_size
     for world in (2, 3):
-        parts = [train.Windows(tokens, 3, T, 'cpu', rank, world).mean_loss(model, nullcontext()) for rank in range(world)]
+        parts = [train.Windows(tokens, 3, T, 'cpu', rank, world).mean_loss(model, nullcontext())
+                 for rank in range(world)]
         assert sum(parts) == pytest.approx(want, rel=1e-6), world
     # estimate_loss runs it in eval mode and hands the model back in train mode; eval_iters=0 means only val
     cfg = SimpleNamespace(eval_iters=0, batch_size=4, block_size=T, seed=0)
@@ -1076,7 +1078,8 @@ def test_get_lr_wsd_schedule():
     assert get_lr(10, whole) == 1.0 and math.isclose(get_lr(60, whole), 0.5)
 
 
-@pytest.mark.parametrize('flag, key', [('--lr_schedule=linear', 'lr_schedule'), ('--wsd_decay_frac=0', 'wsd_decay_frac'),
+@pytest.mark.parametrize('flag, key', [('--lr_schedule=linear', 'lr_schedule'),
+                                       ('--wsd_decay_frac=0', 'wsd_decay_frac'),
                                        ('--eval_iters=-1', 'eval_iters')])
 def test_schedule_and_eval_keys_are_checked(tmp_path, flag, key):
     # Reference: the key named in a one-line error, before any file is written.
@@ -1098,6 +1101,18 @@ def speedrun_run(tmp_path_factory):
     return SimpleNamespace(root=root, out=root / 'out', wall=time_module.time() - before)
 
 
+def test_evaluates_at_the_end_and_at_iteration_0_only_with_eval_at_start(speedrun_run, tmp_path):
+    # Reference: the iterations the rule names: every eval_interval (4), the last iteration (6, not a multiple
+    # of it) and iteration 0 with eval_at_start (the default); the checkpoint is the last iteration's.
+    flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', '--max_iters=6', '--log_interval=100']
+    for at_start, want in ((True, [0, 4, 6]), (False, [4, 6])):
+        out = tmp_path / str(at_start)
+        with redirect_stdout(io.StringIO()):
+            assert train.main(flags + [f'--out_dir={out}', f'--eval_at_start={at_start}']) == 0
+        assert [r['iter'] for r in read_metrics(out) if 'val_loss' in r] == want, at_start
+        assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 6
+
+
 def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     # Reference: the wall time measured around the process (time_s can only be shorter), the order of the
     # lines, and the val loss recomputed here from the checkpoint over every window of val.bin.
@@ -1105,7 +1120,8 @@ def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     times = [r['time_s'] for r in lines]
     assert all(0 < t < speedrun_run.wall for t in times) and times == sorted(times)
     evals = [r for r in lines if 'val_loss' in r]
-    assert [r['iter'] for r in evals] == [0, 4, 8] and all(set(r) == {'iter', 'tokens', 'val_loss', 'time_s'} for r in evals)
+    assert [r['iter'] for r in evals] == [0, 4, 8]
+    assert all(set(r) == {'iter', 'tokens', 'val_loss', 'time_s'} for r in evals)
     ckpt = torch.load(speedrun_run.out / 'ckpt.pt', weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])

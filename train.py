@@ -141,7 +141,8 @@ from model import GPT, GPTConfig, peak_flops  # noqa: E402
 from prepare_data import vocabulary  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
-SHAPE_KEYS = [k for k in MODEL_KEYS if k != 'dropout']  # what a resumed run must not change
+# what a resumed run must not change (dropout may; zero_init_proj only chose the initial weights)
+SHAPE_KEYS = [k for k in MODEL_KEYS if k not in ('dropout', 'zero_init_proj')]
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
 PEAK_LABEL = {'bfloat16': 'bf16', 'float16': 'fp16', 'float32': 'TF32'}  # the peak MFU is stated against
 # a drawing of metrics.png takes 0.3 to 1 s of CPU: evaluations seconds apart (small models, tests) would spend
@@ -367,7 +368,8 @@ class Muon(torch.optim.Optimizer):
     - cost on small matrices: all matrices (or parts) of one shape go through Newton-Schulz together, as
       batched matmuls, in float32 off CUDA: a CPU without bf16 units runs torch's bf16 Newton-Schulz about
       10x slower than float32 (bf16 on CUDA, as torch).
-    The state is torch's ('momentum_buffer' per matrix): a checkpoint of either resumes with the other.
+    The state is torch's ('momentum_buffer' per matrix; the groups' settings are the constructor's, which
+    train.py's resume keeps), so the momentum of either optimizer's checkpoint loads into the other.
     """
 
     def __init__(self, params, lr, weight_decay, momentum=0.95, ns_steps=5, parts=None):
@@ -1370,12 +1372,28 @@ def log_metrics(r, record):
 
 
 def train_loop(r):
-    """The training loop: evaluate and checkpoint every eval_interval, step, log; returns the exit code."""
+    """The training loop: evaluate and checkpoint every eval_interval and at the end, step, log; returns the
+    exit code."""
     cfg, say, world = r.cfg, r.say, r.world
 
     launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
     resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
                             + ['--init_from=resume'])
+
+    def evaluate():
+        nonlocal saved_iter, t0, t0_iter
+        losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
+        say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
+        log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg),
+                        **{f'{split}_loss': loss for split, loss in losses.items()}})
+        plot_metrics(r)
+        r.last_eval = r.iter_num
+        improved = losses['val'] < r.best_val_loss
+        r.best_val_loss = min(r.best_val_loss, losses['val'])
+        save(r, *([r.best_path] if improved else []), r.ckpt_path)
+        saved_iter = r.iter_num
+        t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
+
     with stop_on_signals() as stop:
         if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
             set_rng_state(r.rng[r.rank])
@@ -1385,18 +1403,9 @@ def train_loop(r):
         bad_steps, skipped, saved_iter = 0, 0, (r.iter_num if cfg.init_from == 'resume' else None)
         t0, t0_iter = time.time(), r.iter_num
         while True:
-            if r.iter_num % cfg.eval_interval == 0 and r.last_eval != r.iter_num:
-                losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
-                say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
-                log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg),
-                                **{f'{split}_loss': loss for split, loss in losses.items()}})
-                plot_metrics(r)
-                r.last_eval = r.iter_num
-                improved = losses['val'] < r.best_val_loss
-                r.best_val_loss = min(r.best_val_loss, losses['val'])
-                save(r, *([r.best_path] if improved else []), r.ckpt_path)
-                saved_iter = r.iter_num
-                t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
+            # every eval_interval, and at the end (max_iters need not be a multiple of it)
+            if (r.iter_num % cfg.eval_interval == 0 or r.iter_num >= cfg.max_iters) and r.last_eval != r.iter_num:
+                evaluate()
             if r.iter_num >= cfg.max_iters:
                 break
             lr = get_lr(r.iter_num, cfg)
