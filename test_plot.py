@@ -238,7 +238,7 @@ def test_wandb_offline_logs_the_records_of_metrics_jsonl(tmp_path):
     history = [{item.key or '.'.join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in records if r.WhichOneof('record_type') == 'history']
     logged = [{k: v for k, v in row.items() if not k.startswith('_')} for row in history]
-    assert logged == read_metrics(out) and len(logged) == 5  # evaluations at 0, 2; training lines 1, 2, 3
+    assert logged == read_metrics(out) and len(logged) == 6  # evaluations at 0, 2, 3 (the end); training 1, 2, 3
     [run] = [r.run for r in records if r.WhichOneof('record_type') == 'run']
     assert (run.project, run.display_name) == ('gpt-tests', 'tiny-offline')
     config = {item.key: json.loads(item.value_json) for item in run.config.update}

@@ -1386,7 +1386,7 @@ def train_loop(r):
         say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
         log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg),
                         **{f'{split}_loss': loss for split, loss in losses.items()}})
-        plot_metrics(r)
+        plot_metrics(r, final=r.iter_num >= cfg.max_iters)  # the last one is drawn whatever the time
         r.last_eval = r.iter_num
         improved = losses['val'] < r.best_val_loss
         r.best_val_loss = min(r.best_val_loss, losses['val'])
@@ -1453,7 +1453,8 @@ def train_loop(r):
                 return 128 + signum
         if saved_iter != r.iter_num:
             save(r, r.ckpt_path)
-        plot_metrics(r, final=True)
+        if r.last_eval != r.iter_num:  # (max_iters=0 with eval_at_start=False: nothing evaluated)
+            plot_metrics(r, final=True)
         say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
         return 0
 
