@@ -79,7 +79,7 @@ init_from = 'scratch'           # 'scratch', 'resume' from out_dir/ckpt.pt, or '
                                 # Hugging Face Llama/Qwen3 directory (model shape from its config.json)
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
 eval_iters = 50                 # batches per split in each evaluation; 0: the whole val split (see Windows)
-eval_at_start = True            # evaluate at iteration 0 of a scratch run (the untrained loss) too
+eval_at_start = True            # evaluate at iteration 0 of a new run (scratch or hf:, before any step) too
 log_interval = 10               # iterations between log lines
 wandb_log = False               # also send metrics.jsonl's records to Weights & Biases (process 0)
 wandb_project = 'gpt'
