@@ -1043,12 +1043,14 @@ def test_whole_split_eval_covers_every_window_once():
     tokens = np.random.default_rng(0).integers(0, 32, 10 * T + 5).astype(np.uint16)
     model = tiny_model().eval()
     want = windows_reference(model, tokens, T)
+
+    def loss(windows):
+        return train.estimate_loss(model, {'val': windows}, nullcontext())['val']
     for batch_size in (1, 3, 10, 64):
-        got = train.Windows(tokens, batch_size, T, 'cpu').mean_loss(model, nullcontext())
+        got = loss(train.Windows(tokens, batch_size, T, 'cpu'))
         assert got == pytest.approx(want, rel=1e-6), batch_size
     for world in (2, 3):
-        parts = [train.Windows(tokens, 3, T, 'cpu', rank, world).mean_loss(model, nullcontext())
-                 for rank in range(world)]
+        parts = [loss(train.Windows(tokens, 3, T, 'cpu', rank, world)) for rank in range(world)]
         assert sum(parts) == pytest.approx(want, rel=1e-6), world
     # estimate_loss runs it in eval mode and hands the model back in train mode; eval_iters=0 means only val
     cfg = SimpleNamespace(eval_iters=0, batch_size=4, block_size=T, seed=0)

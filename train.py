@@ -286,6 +286,18 @@ class Batches:
         self.queue = []
         self._prefetch()
 
+    def eval_batches(self):
+        """An evaluation's batches of this process, each with its weight in the mean over all `groups`
+        (eval_total): its share of one draw, from the start, then a repeat of weight 0 where the groups do not
+        divide evenly, so that every process runs as many forwards (under FSDP each one is a collective)."""
+        self.reset()
+        for i in range(math.ceil(self.groups / self.world)):
+            yield (*self.next(), 1) if i < self.share else (*self.next_batch, 0)
+
+    @property
+    def eval_total(self):
+        return self.groups
+
 
 class Windows:
     """Every non-overlapping window of block_size + 1 tokens of a split, in order, batch_size windows per
@@ -304,18 +316,17 @@ class Windows:
         buf = torch.from_numpy(self.tokens[first * T:last * T + 1].astype(np.int64))
         return buf[:-1].view(-1, T).to(self.device), buf[1:].view(-1, T).to(self.device)
 
-    def mean_loss(self, model, autocast):
-        total = torch.zeros((), device=self.device)
-        # every process runs the same number of forwards (under FSDP each one is a collective); a process
-        # left without a batch repeats the first one and gives it no weight
+    def eval_batches(self):
+        """This process's batches, each weighted by its windows (all of equal length) in the mean over all
+        `count` of them (eval_total); a process left without a batch repeats the first one with weight 0, so
+        that every process runs as many forwards (under FSDP each one is a collective)."""
         for i in range(self.rank, self.world * math.ceil(self.batches / self.world), self.world):
             x, y = self.batch(i if i < self.batches else 0)
-            with autocast:
-                _, loss = model(x, y)
-            total += loss.float() * (x.size(0) if i < self.batches else 0)  # windows of equal length
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        return (total / self.count).item()
+            yield x, y, (x.size(0) if i < self.batches else 0)
+
+    @property
+    def eval_total(self):
+        return self.count
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -638,26 +649,19 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
 
 @torch.no_grad()
 def estimate_loss(model, splits, autocast):
-    """Mean loss over each split's batches (a draw of `groups`, shared among processes), or over all its
-    windows (Windows); the same every time."""
+    """Mean loss over each split's batches (Batches: a draw of `groups`; Windows: all its windows), shared among
+    processes (each one's eval_batches, weighted); the same every time."""
     model.eval()
     out = {}
     for name, batches in splits.items():
-        if isinstance(batches, Windows):
-            out[name] = batches.mean_loss(model, autocast)
-            continue
-        batches.reset()
         total = torch.zeros((), device=batches.device)
-        # every process runs the same number of forwards (under FSDP each one is a collective); where the
-        # batches do not divide evenly, a process repeats a batch and gives it no weight
-        for i in range(math.ceil(batches.groups / batches.world)):
-            x, y = batches.next() if i < batches.share else batches.next_batch
+        for x, y, weight in batches.eval_batches():
             with autocast:
                 _, loss = model(x, y)
-            total += loss.float() * (i < batches.share)
+            total += loss.float() * weight
         if dist.is_initialized():
             dist.all_reduce(total)
-        out[name] = (total / batches.groups).item()
+        out[name] = (total / batches.eval_total).item()
     model.train()
     return out
 
