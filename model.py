@@ -296,18 +296,15 @@ def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0):
     """The summed cross-entropy of a chunk of tokens, x (N, C) against targets (N,), and its gradient with
     respect to the chunk's logits (N, V). The one place where the loss meets the logits: soft-capping (cap > 0,
     see softcap) is applied here, and its derivative, 1 - tanh^2, to the gradient."""
-    logits = F.linear(x, weight)  # (N, V), in the autocast dtype
-    if cap:
-        tanh = torch.tanh(logits / cap)
-        logits = cap * tanh
+    logits = softcap(F.linear(x, weight), cap)  # (N, V), in the autocast dtype
     logp = logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 or fp64
     eps, V = label_smoothing, logp.size(-1)  # the target distribution: 1 - eps on the target, eps / V everywhere
     loss = -((1 - eps) * logp.gather(1, targets[:, None]).sum() + eps / V * logp.sum())
     grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
     grad -= eps / V
     grad[torch.arange(len(targets), device=grad.device), targets] -= 1 - eps
-    if cap:
-        grad *= 1 - tanh.to(grad.dtype).square()
+    if cap:  # d(cap tanh(z / cap))/dz = 1 - tanh^2, and tanh = the capped logits / cap
+        grad *= 1 - (logits.to(grad.dtype) / cap).square()
     return loss, grad.to(logits.dtype)
 
 
