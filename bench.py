@@ -296,24 +296,28 @@ def run_rung(s, env, timed=nullcontext):
                 **({'timed': watcher} if watcher is not None else {}))
 
 
+def resolved(change, env):
+    """A rung's change with 'mixed' made the dtype it is here: train.pick_dtype's, or bfloat16 where that is
+    float32 (what rung 3 is, when it is skipped too)."""
+    mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed
+    return {k: mixed if v == 'mixed' else v for k, v in change.items()}
+
+
 def ladder(env):
     rows, s, prev, baseline, top = [], dict(BASE), None, None, None
     for i, (name, change) in enumerate(LADDER + MEMORY, start=1):
         top = top or ((s, prev) if i > len(LADDER) else None)  # the memory rungs build on the last rung that ran
-        if env.rungs and i not in env.rungs:
-            mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed
-            trial = {**(top or (s, prev))[0], **{k: mixed if v == 'mixed' else v for k, v in change.items()}}
-            rows.append(dict(rung=i, name=name, precision=precision(trial), settings=trial, status='not run',
-                             reason='not in --rungs', builds_on=None, **{key: None for key, _ in COLUMNS.values()}))
-            s = s if top or why_skip(change, env) else trial  # a rung left out still builds the next ones
-            continue
         base, base_row = top or (s, prev)
-        mixed = 'bfloat16' if env.mixed == 'float32' else env.mixed  # what rung 3 is, when it is skipped too
-        change = {k: mixed if v == 'mixed' else v for k, v in change.items()}
+        change = resolved(change, env)
         trial = {**base, **change}
         row = dict(rung=i, name=name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name,
                    precision=precision(trial), settings=trial, status='ok', reason=why_skip(change, env),
                    builds_on=base_row and base_row['name'], **{key: None for key, _ in COLUMNS.values()})
+        if env.rungs and i not in env.rungs:
+            row.update(status='not run', reason='not in --rungs', builds_on=None)
+            s = s if top or why_skip(change, env) else trial  # a rung left out still builds the next ones
+            rows.append(row)
+            continue
         try:
             if row['reason']:
                 row['status'] = 'skipped'
@@ -484,7 +488,7 @@ def profile(env):
     s = dict(BASE)
     for _, change in LADDER:
         if not why_skip(change, env):
-            s.update({k: env.mixed if v == 'mixed' else v for k, v in change.items()})
+            s.update(resolved(change, env))
     env.repeats = 1
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     row = run_rung(s, env, timed=lambda: torch_profile(activities=activities))
