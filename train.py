@@ -1467,4 +1467,8 @@ if __name__ == '__main__':
     try:
         sys.exit(main(sys.argv[1:]))
     except (ConfigError, TrainError) as e:
-        sys.exit(f"train.py: error: {e}")
+        # one write of the whole line (sys.exit(message) writes the newline apart): under torchrun the
+        # processes share stderr, and two processes' errors would otherwise run together on one line
+        sys.stderr.write(f"train.py: error: {e}\n")
+        sys.stderr.flush()
+        sys.exit(1)
