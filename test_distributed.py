@@ -30,7 +30,9 @@ from conftest import write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(1)  # the tiny models here; see test_train.py
-ENV = dict(os.environ, OMP_NUM_THREADS='1')
+# PYTHONFAULTHANDLER: a run that hangs is sent SIGABRT before it is killed, and each of its Python processes
+# prints where every thread stood into the log that the failing test shows
+ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONFAULTHANDLER='1')
 TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py']
 V = 40
 # lr_decay_iters is fixed: left at 0 it follows max_iters, which would change the schedule between a run
@@ -39,7 +41,7 @@ FLAGS = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch
          '--gradient_accumulation_steps=2', '--eval_interval=3', '--eval_iters=4', '--log_interval=1',
          '--device=cpu', '--dtype=float32', '--warmup_iters=0', '--learning_rate=1e-2', '--lr_decay_iters=6',
          '--dropout=0']
-RUN_TIMEOUT = 120  # seconds; a run here takes 3-10 s
+RUN_TIMEOUT = 300  # seconds; a run here takes 3-10 s, 50 s on a loaded 2-core machine, more with a cold disk
 LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
 
 
@@ -72,13 +74,29 @@ def descendants(pid):
 
 
 def kill_tree(proc):
-    """SIGKILL a launcher we started and the workers it started (found before the launcher dies)."""
-    for pid in descendants(proc.pid) + [proc.pid]:
+    """SIGKILL a launcher we started and the workers it started (found before the launcher dies), after a
+    SIGABRT that makes each one print its Python stacks (PYTHONFAULTHANDLER). Returns what was still running
+    (pid, state, command line): which of the processes hung."""
+    pids = descendants(proc.pid) + [proc.pid]
+    alive = []
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            with open(f'/proc/{pid}/stat') as f:
+                state = f.read().rsplit(')', 1)[1].split()[0]
+            with open(f'/proc/{pid}/cmdline') as f:
+                alive.append(f"{pid} [{state}] {f.read().replace(chr(0), ' ')[:100]}")
+        except OSError:
             pass
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                continue
+            if sig == signal.SIGABRT:
+                time.sleep(1)  # one process at a time writes its stacks: they do not interleave in the log
     proc.wait()
+    return alive
 
 
 class Launch:
@@ -94,14 +112,16 @@ class Launch:
         self.cmd = ' '.join(cmd)
         self._log = open(self.log_path, 'w')
         self.proc = subprocess.Popen(cmd, cwd=HERE, env=ENV, stdout=self._log, stderr=subprocess.STDOUT)
-        self.rc, self.timed_out = None, False
+        self.rc, self.timed_out, self.started = None, False, time.time()
 
     def wait(self, timeout=RUN_TIMEOUT):
+        self.timeout = timeout
         try:
             self.rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.timed_out = True
-            kill_tree(self.proc)
+            self.last_output = os.path.getmtime(self.log_path) - self.started  # a hang, or only slow?
+            self.alive = kill_tree(self.proc)
             self.rc = self.proc.returncode
         self._log.close()
         with open(self.log_path) as f:
@@ -109,8 +129,10 @@ class Launch:
         return self
 
     def describe(self):
-        state = 'TIMED OUT (killed)' if self.timed_out else f'exit {self.rc}'
-        return f"{self.cmd}\n-> {state}; output (tail):\n{self.output[-4000:]}"
+        state = (f"TIMED OUT (waited {self.timeout} s; its last output {self.last_output:.0f} s after the start), "
+                 f"still running: {'; '.join(self.alive)} (killed)"
+                 if self.timed_out else f'exit {self.rc}')
+        return f"{self.cmd}\n-> {state}; output (tail):\n{self.output[-(16000 if self.timed_out else 4000):]}"
 
     def check(self):
         assert self.rc == 0 and not self.timed_out, self.describe()
