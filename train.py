@@ -47,6 +47,7 @@ import time
 START_TIME = time.time()  # first of all, before the heavy imports: time_s counts from here (see log_metrics)
 
 import collections  # noqa: E402
+import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -854,6 +855,7 @@ def main(argv):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
+    r = None
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
@@ -867,6 +869,11 @@ def main(argv):
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
     finally:
+        # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when main
+        # returned, the group's last reference went from C++ with the GIL held, and its gloo threads could
+        # deadlock with that: about one exit in 30 under torchrun on the CPU hung after 'done:'.
+        r = None
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
