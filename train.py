@@ -871,7 +871,7 @@ def main(argv):
     finally:
         # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when main
         # returned, the group's last reference went from C++ with the GIL held, and its gloo threads could
-        # deadlock with that: about one exit in 30 under torchrun on the CPU hung after 'done:'.
+        # deadlock with that: now and then an exit under torchrun on the CPU hung after "done:".
         r = None
         gc.collect()
         if dist.is_initialized():
