@@ -1229,6 +1229,21 @@ def test_bad_value_from_the_command_line(data, tmp_path):
         train.main(args(data, tmp_path / 'out', '--min_lr=0.5'))
 
 
+@pytest.mark.parametrize('flags, named', [
+    (['--optimizer=adamw', '--muon_split=True', '--muon_ns_steps=3'], ['muon_split=True', 'muon_ns_steps=3']),
+    (['--lr_schedule=cosine', '--wsd_decay_frac=0.4'], ['wsd_decay_frac=0.4']),
+    (['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.4'], []),
+])
+def test_a_setting_that_this_run_does_not_read_is_a_warning(data, tmp_path, capsys, flags, named):
+    # Reference: the flags given. A Muon-only setting under AdamW, or the WSD decay fraction under cosine,
+    # changes nothing: the run goes on (max_iters=0: set-up and the first evaluation only) and says so on
+    # stderr, once per setting, naming it and what it applies to; the same settings where they apply, none.
+    assert train.main(args(data, tmp_path / 'out', '--max_iters=0', *flags)) == 0
+    warnings = re.findall(r'^warning: (.*has no effect.*)$', capsys.readouterr().err, re.M)
+    assert [w.split(' ')[0] for w in warnings] == named, warnings
+    assert all(("optimizer='muon'" if 'muon' in w else "lr_schedule='wsd'") in w for w in warnings), warnings
+
+
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run
     'zeros': ['--grad_clip=0', '--dropout=0', '--label_smoothing=0', '--weight_decay=0', '--beta1=0', '--beta2=0',
               '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1',

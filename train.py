@@ -833,6 +833,19 @@ def check_config(cfg):
         raise ConfigError(f"device={cfg.device!r}, but MPS is not available here")
 
 
+# settings that only one choice of another reads: set away from their default under another choice, they
+# would change nothing, and report() says so rather than let a run look like it used them
+APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimizer', 'muon'),
+                'wsd_decay_frac': ('lr_schedule', 'wsd')}
+
+
+def unused_settings(cfg):
+    """Warnings for the APPLIES_ONLY settings that are set but not read in this run."""
+    return [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
+            f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
+            if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
+
+
 def main(argv):
     """Check the config, join the other processes under torchrun, run, leave."""
     cfg = SimpleNamespace(**configure(DEFAULTS, argv))
@@ -1304,6 +1317,8 @@ def report(r):
     say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
+    for warning in unused_settings(cfg) if r.master else []:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
