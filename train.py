@@ -868,7 +868,6 @@ def main(argv):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
-    r = None
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
@@ -882,12 +881,12 @@ def main(argv):
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
     finally:
-        # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when main
-        # returned, the group's last reference went from C++ with the GIL held, and its gloo threads could
-        # deadlock with that: now and then an exit under torchrun on the CPU hung after "done:".
-        r = None
-        gc.collect()
         if dist.is_initialized():
+            # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when
+            # main returned, the group's last reference went from C++ with the GIL held, and its gloo threads
+            # could deadlock with that: now and then an exit under torchrun on the CPU hung after "done:".
+            r = None
+            gc.collect()
             dist.destroy_process_group()
 
 
