@@ -196,6 +196,9 @@ def hf_config(c, eot, dtype):
     if c.logit_softcap:
         raise ValueError(f"logit_softcap={c.logit_softcap}: Llama and Qwen3 do not cap their logits, so the exported "
                          f"model would compute other probabilities; train with logit_softcap=0 to export")
+    if c.x0_mix:
+        raise ValueError("x0_mix=True: Llama and Qwen3 have no path from the token embeddings into the later blocks, "
+                         "so the exported model would compute something else; train with x0_mix=False to export")
     if c.mlp != 'swiglu':
         raise ValueError(f"mlp={c.mlp!r}: Llama and Qwen3 use SwiGLU, so transformers has no architecture for "
                          f"this model; train with mlp='swiglu' to export")

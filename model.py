@@ -11,6 +11,7 @@ Features, each findable by name below:
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
 - MLP: SwiGLU (default), GeGLU, GELU or ReLU^2.
+- x0_mix: each block after the first also reads a learned multiple of the token embeddings.
 - Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth
   (or zero: zero_init_proj); optional logit soft-capping (softcap).
 - Activation checkpointing (`model.activation_checkpointing`): 'full' recomputes each block in backward;
@@ -47,6 +48,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     logit_softcap: float = 0.0   # > 0: logits = logit_softcap * tanh(logits / logit_softcap); 0: off
     zero_init_proj: bool = False  # attn.proj and mlp.down, which write into the residual stream, start at zero
+    x0_mix: bool = False       # each block after the first adds a learned multiple (from 0) of the token embeddings
     # derived in __post_init__
     head_dim: int = 0          # 0: n_embd // n_head; set apart from the width in Qwen3 (128 at width 1024, 16 heads)
     mlp_hidden: int = 0        # 0: 8/3 n_embd (4 n_embd for gelu) rounded up to a multiple of 64; published models
@@ -78,6 +80,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: mlp={self.mlp!r}, expected 'swiglu', 'geglu', 'gelu' or 'relu2'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+        if self.x0_mix and self.n_layer < 2:
+            raise ValueError(f"GPTConfig: x0_mix=True with n_layer={self.n_layer}: it mixes the token embeddings into "
+                             f"the blocks after the first, and there are none (the first reads them already)")
         if not self.logit_softcap >= 0:
             raise ValueError(f"GPTConfig: logit_softcap={self.logit_softcap} must be >= 0 (0: off)")
         if self.rope_scaling_factor and not (self.rope_scaling_factor >= 1 and self.rope_original_max_len >= 1
@@ -355,6 +360,10 @@ class GPT(nn.Module):
         cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_base, rope_scaling(config))
         self.register_buffer('cos', cos, persistent=False)  # recomputed, never saved in checkpoints
         self.register_buffer('sin', sin, persistent=False)
+        # x0_mix: block i > 0 reads x + x0_scale[i - 1] * x0, x0 the token embeddings (modded-nanogpt's x0 lambdas,
+        # one scalar per block here), so every block has the tokens themselves at hand, not only what the
+        # blocks before it left of them
+        self.x0_scale = nn.Parameter(torch.zeros(config.n_layer - 1)) if config.x0_mix else None
         self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring
         # tokens per chunk of the loss (ChunkedCrossEntropy): the largest power of two whose logits fit in
         # LOSS_CHUNK_LOGITS; 0: the plain loss over all the logits at once (bench.py's baseline, the tests' reference)
@@ -393,8 +402,10 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
-        x = self.drop(self.wte(idx))  # (B, T, C)
+        x = x0 = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
+            if self.x0_scale is not None and layer:
+                x = x + self.x0_scale[layer - 1] * x0
             if self.activation_checkpointing != 'none' and self.training and torch.is_grad_enabled():
                 # NOTE: full checkpointing passes no context_fn at all: dynamo cannot trace an explicit one
                 # (not even torch's own noop_context_fn), and compile would fall back to eager

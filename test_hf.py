@@ -558,6 +558,9 @@ def test_export_bfloat16_and_refusals(tmp_path):
     our_checkpoint(tmp_path / 'capped.pt', seed=0, logit_softcap=15.0)  # transformers' Llama would not cap
     with pytest.raises(ValueError, match="logit_softcap=15.0: Llama and Qwen3 do not cap their logits"):
         export.main([f'--out_dir={tmp_path}', '--ckpt=capped.pt'])
+    our_checkpoint(tmp_path / 'x0.pt', seed=0, x0_mix=True)  # Llama's blocks read only the residual stream
+    with pytest.raises(ValueError, match="x0_mix=True: Llama and Qwen3 have no path"):
+        export.main([f'--out_dir={tmp_path}', '--ckpt=x0.pt'])
 
 
 def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):

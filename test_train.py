@@ -984,6 +984,31 @@ def test_zero_init_proj_starts_each_block_as_the_identity():
     assert zero.blocks[0].attn.proj.weight.grad.abs().sum() > 0 and zero.blocks[1].mlp.down.weight.grad.abs().sum() > 0
 
 
+def test_x0_mix_adds_the_scaled_token_embeddings_before_each_later_block():
+    # Reference: the forward written out with the model's own modules, block i > 0 reading x + s[i-1] * wte(idx)
+    # (float64, scales set away from 0), and the model without x0_mix from the same seed, which the mixing
+    # model equals while its scales are at their initial 0; the scales get a gradient from the first step.
+    plain, mixed = tiny_model(seed=4, dtype=torch.float64, n_layer=3), tiny_model(seed=4, dtype=torch.float64,
+                                                                                   n_layer=3, x0_mix=True)
+    x, y = random_batch(0, 2, 16, 32)
+    assert mixed.x0_scale.shape == (2,) and not mixed.x0_scale.any()
+    mixed.load_state_dict(plain.state_dict(), strict=False)
+    torch.testing.assert_close(mixed(x)[0], plain(x)[0], rtol=0, atol=0)
+    mixed(x, y)[1].backward()
+    assert (mixed.x0_scale.grad != 0).all()
+    with torch.no_grad():
+        mixed.x0_scale.copy_(torch.tensor([0.7, -1.3]))
+    x0 = h = mixed.wte(x)
+    cos, sin = mixed.cos[:16], mixed.sin[:16]
+    for i, block in enumerate(mixed.blocks):
+        h = block(h + (mixed.x0_scale[i - 1] * x0 if i else 0), cos, sin)
+    want = mixed.lm_head(mixed.norm(h))
+    torch.testing.assert_close(mixed(x)[0], want, rtol=1e-12, atol=1e-12)
+    assert (mixed(x)[0] - plain(x)[0]).abs().max() > 1e-3  # the scales change the output
+    with pytest.raises(ValueError, match='x0_mix=True with n_layer=1'):
+        tiny_config(n_layer=1, x0_mix=True)
+
+
 @pytest.mark.parametrize('chunk', [0, 5])
 def test_logit_softcap_bounds_the_logits(chunk):
     # Reference: cap * tanh(z / cap) of the uncapped model's logits z (same weights), and the cross-entropy of

@@ -102,6 +102,7 @@ mlp = 'swiglu'                  # 'swiglu', 'geglu', 'gelu' or 'relu2' (ReLU squ
 rope_base = 10000.0
 logit_softcap = 0.0             # > 0: logits = softcap * tanh(logits / softcap) (Gemma 2); 0: off
 zero_init_proj = False          # the projections into the residual stream (attn.proj, mlp.down) start at zero
+x0_mix = False                  # each block after the first adds a learned multiple of the token embeddings
 label_smoothing = 0.0
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
 batch_size = 12
