@@ -1185,6 +1185,7 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 means the 
     'rope_base': [1.0, 0.5, 0.0, -10000.0, NAN, INF],
     'out_dir': [''], 'data_dir': [''],
     'muon_ns_steps': [0, -1], 'logit_softcap': [-1.0, NAN, INF],
+    'short_block_size': [-4, 3, 8, 16], 'short_block_iters': [-1],  # block_size 8: a divisor smaller than it
     'wsd_decay_frac': [0.0, 1.5, -0.1, NAN], 'lr_schedule': ['linear'], 'mlp': ['relu'],
     'init_from': ['resum'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
     'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'],
@@ -1242,6 +1243,21 @@ def test_a_setting_that_this_run_does_not_read_is_a_warning(data, tmp_path, caps
     warnings = re.findall(r'^warning: (.*has no effect.*)$', capsys.readouterr().err, re.M)
     assert [w.split(' ')[0] for w in warnings] == named, warnings
     assert all(("optimizer='muon'" if 'muon' in w else "lr_schedule='wsd'") in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize('flags, want', [
+    (['--short_block_size=4'], 'short_block_size=4 has no effect: short_block_iters=0'),
+    (['--short_block_iters=5'], 'short_block_iters=5 has no effect: short_block_size=0'),
+    (['--short_block_size=4', '--short_block_iters=2'], 'short_block_iters=2 covers all max_iters=2 iterations'),
+    (['--short_block_size=4', '--short_block_iters=1'], None),
+])
+def test_a_short_block_setting_that_cannot_work_as_meant_is_a_warning(data, tmp_path, capsys, flags, want):
+    # Reference: the flags given. Short windows need both a length and a number of iterations (one alone changes
+    # nothing), and short windows for every iteration leave the whole windows that the evaluation uses untrained.
+    # The run goes on and says so on stderr, naming the settings; a schedule that ends in time, nothing.
+    assert train.main(args(data, tmp_path / 'out', '--max_iters=2', *flags)) == 0
+    warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
+    assert len(warnings) == (1 if want else 0) and all(w.startswith(want) for w in warnings), warnings
 
 
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run

@@ -488,6 +488,28 @@ def test_gradient_accumulation_with_adamw():
     assert (p1['blocks.0.attn.qkv.weight'] - initial).abs().max() > 1e-3  # lr 1e-2: the step happened
 
 
+def test_train_step_window_trains_each_window_in_pieces():
+    # Reference: a manual SGD step on the batch cut by hand, each window of 16 as two windows of 8 (the second
+    # half's positions start again at 0): (8, 8). train_step with window=8 on the (4, 16) batch, in two
+    # micro-batches, must reach the same loss and weights; the whole windows' loss differs, so a window that
+    # is not applied fails.
+    lr = 0.5
+    x, y = random_batch(0, 4, 16, 32)
+    ref = tiny_model()
+    _, loss = ref(x.reshape(8, 8), y.reshape(8, 8))
+    loss.backward()
+    want = {n: (p - lr * p.grad).detach() for n, p in ref.named_parameters()}
+    with torch.no_grad():
+        _, whole = tiny_model()(x, y)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    got, _, ok = train_step(model, optimizer, NO_SCALER, FakeBatches(x, y, 2), 2, nullcontext(), 0.0, window=8)
+    assert ok and abs(whole.item() - loss.item()) > 1e-3
+    torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
 def test_grad_clip_scales_the_step():
     # Reference: a manual SGD step with the gradient scaled by clip / norm (torch's clip_grad_norm_ rule).
     lr, x, y = 0.5, *random_batch(0, 4, 16, 32)
@@ -1154,6 +1176,24 @@ def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     model.load_state_dict(ckpt['model'])
     tokens = np.fromfile(speedrun_run.root / 'data' / 'val.bin', dtype=np.uint16)
     assert evals[-1]['val_loss'] == pytest.approx(windows_reference(model.eval(), tokens, 16), rel=1e-5)
+
+
+def test_short_block_iters_train_on_short_windows_then_whole_ones(speedrun_run, tmp_path, monkeypatch):
+    # Reference: the schedule by hand, seen as the inputs of the model's training forwards: windows of 8
+    # (batch 4 x 16 = 8 x 8) for iterations 0, 1, 2 (short_block_iters=3), whole windows of 16 after.
+    shapes, forward = [], GPT.forward
+
+    def spy(self, idx, *args, **kwargs):
+        if self.training:
+            shapes.append(tuple(idx.shape))
+        return forward(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, 'forward', spy)
+    flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={tmp_path / "out"}',
+                           '--max_iters=5', '--short_block_size=8', '--short_block_iters=3']
+    with redirect_stdout(io.StringIO()):
+        assert train.main(flags) == 0
+    assert shapes == [(8, 8)] * 3 + [(4, 16)] * 2
 
 
 def test_start_time_is_taken_before_the_heavy_imports():

@@ -16,7 +16,8 @@ keys and wrong types are errors; check_config: values out of range are errors). 
 - device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
   has it, else fp16 with a GradScaler; float32 on CPU; TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
-  random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched.
+  random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched; the first
+  short_block_iters steps can train on shorter windows (short_block_size: each window cut into pieces).
 - train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
   non-finite losses and gradients away from the weights.
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
@@ -107,6 +108,8 @@ label_smoothing = 0.0
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
 batch_size = 12
 gradient_accumulation_steps = 1
+short_block_size = 0            # > 0: the first short_block_iters iterations train on windows of this many tokens,
+short_block_iters = 0           # each drawn window of block_size cut into pieces (the same tokens per step)
 # optimizer
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
 muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
@@ -614,8 +617,9 @@ def convert_to_fp8(model, recipe, device):
 
 
 def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0,
-               grad_sync=lambda last: nullcontext()):
-    """One optimizer step over this process's accum_steps micro-batches.
+               grad_sync=lambda last: nullcontext(), window=None):
+    """One optimizer step over this process's accum_steps micro-batches, each (B, T) micro-batch trained
+    as (B * T / window, window) when a window is given (short_block_size: the same tokens, less context).
 
     Returns (loss, grad_norm, ok): the mean loss over the step's micro-batches (of all processes) and the
     gradient norm before clipping, as tensors, and whether the step reached the weights. A non-finite
@@ -626,6 +630,8 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     loss_sum = 0.0
     for micro in range(accum_steps):
         x, y = batches.next()
+        if window:
+            x, y = x.reshape(-1, window), y.reshape(-1, window)
         with grad_sync(micro == accum_steps - 1):
             with autocast:
                 _, loss = model(x, y, label_smoothing=label_smoothing)
@@ -787,8 +793,10 @@ CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpoint
 RANGES = [
     (('batch_size', 'block_size', 'gradient_accumulation_steps', 'n_layer', 'n_head', 'n_embd', 'eval_interval',
       'log_interval', 'max_nonfinite_steps', 'muon_ns_steps'), lambda v, c: v >= 1, 'at least 1'),
-    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size', 'mlp_hidden', 'eval_iters',
-      'logit_softcap'), lambda v, c: v >= 0,
+    (('short_block_size',), lambda v, c: v == 0 or (0 < v < c.block_size and c.block_size % v == 0),
+     '0 (off) or a divisor of block_size ({block_size}) smaller than it'),
+    (('max_iters', 'short_block_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size', 'mlp_hidden',
+      'eval_iters', 'logit_softcap'), lambda v, c: v >= 0,
      'at least 0 (see its comment at the top of train.py for what 0 means)'),
     (('head_dim',), lambda v, c: v >= 0 and v % 2 == 0,
      '0 (n_embd // n_head) or a positive even number (RoPE rotates channel pairs)'),
@@ -840,11 +848,20 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
                 'wsd_decay_frac': ('lr_schedule', 'wsd')}
 
 
-def unused_settings(cfg):
-    """Warnings for the APPLIES_ONLY settings that are set but not read in this run."""
-    return [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
-            f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
-            if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
+def setting_warnings(cfg):
+    """Warnings for the APPLIES_ONLY settings that are set but not read in this run, for half of the
+    short-block pair set without the other, and for short blocks that last the whole run."""
+    warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
+                f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
+                if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
+    warnings += [f"{key}={getattr(cfg, key)!r} has no effect: {other}=0" for key, other in
+                 (('short_block_size', 'short_block_iters'), ('short_block_iters', 'short_block_size'))
+                 if getattr(cfg, key) and not getattr(cfg, other)]
+    if cfg.short_block_size and cfg.short_block_iters >= cfg.max_iters > 0:
+        warnings.append(f"short_block_iters={cfg.short_block_iters} covers all max_iters={cfg.max_iters} "
+                        f"iterations: no step trains on whole windows of block_size={cfg.block_size}, which the "
+                        f"evaluation uses")
+    return warnings
 
 
 def main(argv):
@@ -1317,7 +1334,7 @@ def report(r):
     say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
-    for warning in unused_settings(cfg) if r.master else []:
+    for warning in setting_warnings(cfg) if r.master else []:
         print(f"warning: {warning}", file=sys.stderr)
 
 
@@ -1437,8 +1454,9 @@ def train_loop(r):
             lr = get_lr(r.iter_num, cfg)
             for group in r.optimizer.param_groups:
                 group['lr'] = lr
+            window = cfg.short_block_size if r.iter_num < cfg.short_block_iters else 0
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
-                                        cfg.grad_clip, cfg.label_smoothing, r.grad_sync)
+                                        cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
             r.iter_num += 1
             if not ok:
                 bad_steps, skipped = bad_steps + 1, skipped + 1
@@ -1455,7 +1473,8 @@ def train_loop(r):
                 dt = time.time() - t0
                 ms_per_iter = 1000 * dt / max(1, r.iter_num - t0_iter)
                 tokens_per_sec = tokens_per_iter(cfg) * (r.iter_num - t0_iter) / dt
-                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, cfg.block_size)  # per GPU
+                seq_len = window or cfg.block_size  # this step's windows
+                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, seq_len)  # per GPU
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
