@@ -1185,7 +1185,7 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 means the 
     'rope_base': [1.0, 0.5, 0.0, -10000.0, NAN, INF],
     'out_dir': [''], 'data_dir': [''],
     'muon_ns_steps': [0, -1], 'logit_softcap': [-1.0, NAN, INF],
-    'short_block_size': [-4, 3, 8, 16], 'short_block_iters': [-1],  # block_size 8: a divisor smaller than it
+    'short_block_size': [-4, 3, 8, 16], 'short_block_iters': [-1],  # block_size 8: 8 / 2**k only
     'wsd_decay_frac': [0.0, 1.5, -0.1, NAN], 'lr_schedule': ['linear'], 'mlp': ['relu'],
     'init_from': ['resum'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
     'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'],

@@ -902,7 +902,7 @@ def test_newton_schulz_batched_equals_one_by_one():
 
 SPEEDRUN_FLAGS = ['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.5', '--mlp=relu2',
                   '--logit_softcap=10', '--zero_init_proj=True', '--tie_embeddings=False', '--qk_norm=True',
-                  '--x0_mix=True', '--n_layer=2', '--eval_iters=0', '--short_block_size=8', '--short_block_iters=6']
+                  '--x0_mix=True', '--n_layer=2', '--eval_iters=0', '--short_block_size=4', '--short_block_iters=6']
 
 
 def test_resume_is_bit_exact_with_the_speedrun_options(tmp_path):

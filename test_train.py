@@ -1129,11 +1129,12 @@ def test_get_lr_wsd_schedule():
 
 @pytest.mark.parametrize('flag, key', [('--lr_schedule=linear', 'lr_schedule'),
                                        ('--wsd_decay_frac=0', 'wsd_decay_frac'),
-                                       ('--eval_iters=-1', 'eval_iters')])
+                                       ('--eval_iters=-1', 'eval_iters'),
+                                       ('--short_block_size=256 --block_size=768', 'short_block_size')])  # 3x
 def test_schedule_and_eval_keys_are_checked(tmp_path, flag, key):
     # Reference: the key named in a one-line error, before any file is written.
     with pytest.raises(ConfigError, match=key):
-        train.main([flag, f'--out_dir={tmp_path}'])
+        train.main([*flag.split(), f'--out_dir={tmp_path}'])
     assert not os.listdir(tmp_path)
 
 
@@ -1178,9 +1179,15 @@ def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     assert evals[-1]['val_loss'] == pytest.approx(windows_reference(model.eval(), tokens, 16), rel=1e-5)
 
 
-def test_short_block_iters_train_on_short_windows_then_whole_ones(speedrun_run, tmp_path, monkeypatch):
-    # Reference: the schedule by hand, seen as the inputs of the model's training forwards: windows of 8
-    # (batch 4 x 16 = 8 x 8) for iterations 0, 1, 2 (short_block_iters=3), whole windows of 16 after.
+@pytest.mark.parametrize('short, iters, want', [
+    (8, 3, [(8, 8)] * 3 + [(4, 16)] * 3),
+    (4, 4, [(16, 4)] * 2 + [(8, 8)] * 2 + [(4, 16)] * 2),  # 4, doubled halfway, 16 from iteration 4
+    (2, 6, [(32, 2)] * 2 + [(16, 4)] * 2 + [(8, 8)] * 2),  # three doublings in six iterations: none whole
+])
+def test_short_windows_double_up_to_block_size_at_short_block_iters(speedrun_run, tmp_path, monkeypatch, short,
+                                                                    iters, want):
+    # Reference: the schedule by hand, seen as the inputs of the model's training forwards over 6 iterations
+    # (batch 4 x 16 tokens): short_block_size, doubled at equal steps of short_block_iters, whole after.
     shapes, forward = [], GPT.forward
 
     def spy(self, idx, *args, **kwargs):
@@ -1190,10 +1197,10 @@ def test_short_block_iters_train_on_short_windows_then_whole_ones(speedrun_run, 
 
     monkeypatch.setattr(GPT, 'forward', spy)
     flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={tmp_path / "out"}',
-                           '--max_iters=5', '--short_block_size=8', '--short_block_iters=3']
+                           '--max_iters=6', f'--short_block_size={short}', f'--short_block_iters={iters}']
     with redirect_stdout(io.StringIO()):
         assert train.main(flags) == 0
-    assert shapes == [(8, 8)] * 3 + [(4, 16)] * 2
+    assert shapes == want
 
 
 def test_start_time_is_taken_before_the_heavy_imports():

@@ -17,7 +17,7 @@ keys and wrong types are errors; check_config: values out of range are errors). 
   has it, else fp16 with a GradScaler; float32 on CPU; TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
   random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched; the first
-  short_block_iters steps can train on shorter windows (short_block_size: each window cut into pieces).
+  short_block_iters steps can train on shorter windows, growing to block_size (window_at).
 - train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
   non-finite losses and gradients away from the weights.
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
@@ -108,8 +108,8 @@ label_smoothing = 0.0
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
 batch_size = 12
 gradient_accumulation_steps = 1
-short_block_size = 0            # > 0: the first short_block_iters iterations train on windows of this many tokens,
-short_block_iters = 0           # each drawn window of block_size cut into pieces (the same tokens per step)
+short_block_size = 0            # > 0: start on windows of this many tokens, doubled at equal steps up to block_size
+short_block_iters = 0           # at this iteration (each drawn window cut into pieces: the same tokens per step)
 # optimizer
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
 muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
@@ -336,6 +336,15 @@ class Windows:
 
 # ----------------------------------------------------------------------------------------------------
 # optimization
+
+def window_at(it, cfg):
+    """The window length that iteration `it` trains on: short_block_size, doubled at equal steps of
+    short_block_iters (64, 128 for block_size 256: each for half of them), then block_size."""
+    if not cfg.short_block_size or it >= cfg.short_block_iters:
+        return cfg.block_size
+    doublings = (cfg.block_size // cfg.short_block_size).bit_length() - 1
+    return cfg.short_block_size << (it * doublings // cfg.short_block_iters)
+
 
 def get_lr(it, cfg):
     """Linear warmup for warmup_iters, a decay to min_lr at lr_decay_iters, min_lr after. The decay is
@@ -630,7 +639,7 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     loss_sum = 0.0
     for micro in range(accum_steps):
         x, y = batches.next()
-        if window:
+        if window and window != x.size(1):
             x, y = x.reshape(-1, window), y.reshape(-1, window)
         with grad_sync(micro == accum_steps - 1):
             with autocast:
@@ -793,8 +802,9 @@ CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpoint
 RANGES = [
     (('batch_size', 'block_size', 'gradient_accumulation_steps', 'n_layer', 'n_head', 'n_embd', 'eval_interval',
       'log_interval', 'max_nonfinite_steps', 'muon_ns_steps'), lambda v, c: v >= 1, 'at least 1'),
-    (('short_block_size',), lambda v, c: v == 0 or (0 < v < c.block_size and c.block_size % v == 0),
-     '0 (off) or a divisor of block_size ({block_size}) smaller than it'),
+    (('short_block_size',), lambda v, c: v == 0 or (0 < v < c.block_size and c.block_size % v == 0
+                                                     and (c.block_size // v).bit_count() == 1),
+     '0 (off) or block_size ({block_size}) divided by a power of 2 (2, 4, 8, ...)'),
     (('max_iters', 'short_block_iters', 'warmup_iters', 'lr_decay_iters', 'n_kv_head', 'vocab_size', 'mlp_hidden',
       'eval_iters', 'logit_softcap'), lambda v, c: v >= 0,
      'at least 0 (see its comment at the top of train.py for what 0 means)'),
@@ -1454,7 +1464,7 @@ def train_loop(r):
             lr = get_lr(r.iter_num, cfg)
             for group in r.optimizer.param_groups:
                 group['lr'] = lr
-            window = cfg.short_block_size if r.iter_num < cfg.short_block_iters else 0
+            window = window_at(r.iter_num, cfg)
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
                                         cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
             r.iter_num += 1
@@ -1473,8 +1483,7 @@ def train_loop(r):
                 dt = time.time() - t0
                 ms_per_iter = 1000 * dt / max(1, r.iter_num - t0_iter)
                 tokens_per_sec = tokens_per_iter(cfg) * (r.iter_num - t0_iter) / dt
-                seq_len = window or cfg.block_size  # this step's windows
-                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, seq_len)  # per GPU
+                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, window)  # per GPU
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
