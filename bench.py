@@ -380,6 +380,7 @@ def plot(rows, meta, path):
         ax.barh(names, [r[key] or 0 for r in rows])
         ax.set_xlabel(label)
         ax.set_xlim(left=0)
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 400k, not 400000 (they overlap)
     axes[0].invert_yaxis()
     fig.suptitle(f"{meta['device']}, torch {meta['torch']}, {meta['params'] / 1e6:.2f}M params, "
                  f"{meta['tokens_per_iter']:,} tokens/iter, {meta['date']}\n{meta['command']}", fontsize=9)
@@ -423,17 +424,23 @@ def fit(env):
     for name, change in [('as is', {}), ('act. ckpt full', dict(checkpointing='full')),
                          ('8-bit AdamW', dict(optimizer='adamw8bit')),
                          ('act. ckpt full + 8-bit AdamW', dict(checkpointing='full', optimizer='adamw8bit'))]:
+        failures, held = [], []
+
         def fits(batch):
             env.batch_size = batch
+            if env.device_type == 'cuda':  # what a failed try left allocated (run_rung collects it first)
+                gc.collect()
+                held.append(torch.cuda.memory_allocated(env.device))
             try:
                 run_rung({**s, **change}, env)
                 return True
             except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to get its workspace
                 if isinstance(e, torch.cuda.OutOfMemoryError) or 'ALLOC_FAILED' in str(e):
+                    failures.append(dict(batch_size=batch, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
                     return False  # run_rung empties the cache before the next try
                 raise
         row = dict(variant=name, settings={**s, **change}, micro_batch=None, batch_size=None,
-                   gradient_accumulation_steps=None, note='')
+                   gradient_accumulation_steps=None, note='', failures=failures, held_before_try=held)
         try:
             best = largest_batch(fits, n)
             row.update(zip(('micro_batch', 'batch_size', 'gradient_accumulation_steps'), (best, *split_step(n, best))),
@@ -441,6 +448,8 @@ def fit(env):
                        'does not fit even at batch_size=1')
         except Exception as e:
             row['note'] = f"skipped: {e}" if isinstance(e, BenchError) else f"failed: {type(e).__name__}: {e}"
+        if held and max(held) > 2**30:  # a fitting size is then too small: the search is not to be trusted
+            row['note'] += f" (up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
         variants.append(row)
         print(f"  {name:<28} largest micro-batch {row['micro_batch']}: " + (
               f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
@@ -460,8 +469,9 @@ def fit(env):
 KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 'newton')),
          ('attention', ('flash', 'fmha', 'attention', 'sdpa')),
          ('matmul', ('gemm', 'matmul', 'cutlass', 'nvjet', 'xmma', 'wgmma', 'aten::mm', 'aten::addmm', 'aten::bmm',
-                     'aten::baddbmm', 'aten::linear', 'scaled_mm')),
-         ('memory copy', ('memcpy', 'memset', 'copy_', 'aten::cat', 'aten::clone')),
+                     'aten::baddbmm', 'aten::linear', 'scaled_mm', 'triton_tem_')),
+         ('elementwise and other', ('triton_',)),  # inductor's fused kernels, whatever ops their names list
+         ('memory copy', ('memcpy', 'memset', 'aten::copy_', 'aten::cat', 'aten::clone')),
          ('elementwise and other', ('',))]
 
 
@@ -476,6 +486,31 @@ def in_optimizer_step(event):
             return True
         event = event.cpu_parent
     return False
+
+
+def kernel_times(events):
+    """From the profiler's events: each CUDA kernel's device time and calls by name, the time of each kind (a
+    kernel launched from inside Optimizer.step is the optimizer's, whatever its name), each name's kind, and
+    the milliseconds that at least one kernel covers. CPU operators count only as launchers, never as time."""
+    cuda = torch.autograd.DeviceType.CUDA
+    spent, calls, shares, launched_by_optimizer = (collections.Counter() for _ in range(4))
+    busy, end = 0.0, -math.inf
+    for e in sorted((e for e in events if e.device_type == cuda), key=lambda e: e.time_range.start):
+        start, stop = max(e.time_range.start, end), e.time_range.end  # the union of the kernels' intervals
+        busy, end = busy + max(0.0, stop - start), max(end, stop)
+        spent[e.name] += e.time_range.elapsed_us()
+        calls[e.name] += 1
+    for e in events:  # the CPU calls that launched kernels (Kernel: name, device, duration)
+        if e.device_type != cuda and e.kernels and in_optimizer_step(e):
+            for k in e.kernels:
+                launched_by_optimizer[k.name] += k.duration
+    for name, t in spent.items():
+        in_optimizer = min(t, launched_by_optimizer[name])
+        shares['optimizer'] += in_optimizer
+        shares[kind_of(name)] += t - in_optimizer
+    shares = +shares  # drop the kinds with no time
+    kind = {name: 'optimizer' if 2 * launched_by_optimizer[name] >= t else kind_of(name) for name, t in spent.items()}
+    return spent, calls, shares, kind, busy / 1000
 
 
 def profile(env):
@@ -493,24 +528,20 @@ def profile(env):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     row = run_rung(s, env, timed=lambda: torch_profile(activities=activities))
     prof, wall_ms = row['timed'], row['ms_per_iter'] * env.steps
-    if cuda:  # kernels: their own device time, and the busy intervals they cover
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy, end = 0.0, -math.inf
-        for e in sorted(events, key=lambda e: e.time_range.start):  # the union of the kernels' intervals
-            start, stop = max(e.time_range.start, end), e.time_range.end
-            busy, end = busy + max(0.0, stop - start), max(end, stop)
-        spent = [(e.name, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
-        busy_ms, what = busy / 1000, 'kernel'
+    if cuda:
+        spent, calls, shares, kind, busy_ms = kernel_times(prof.events())
+        what = 'kernel'
     else:  # operators: their own CPU time
-        spent = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
-        busy_ms, what = sum(t for _, t in spent) / 1000, 'operator'
-    spent.sort(key=lambda kv: -kv[1])
-    total = sum(t for _, t in spent) or 1.0
-    shares = collections.Counter()  # by kind; what runs inside the optimizer's step is the optimizer's
-    for e in prof.events():
-        t = e.device_time_total if cuda else e.self_cpu_time_total
-        if t > 0 and (e.device_type == torch.autograd.DeviceType.CUDA) == cuda:
-            shares['optimizer' if in_optimizer_step(e) else kind_of(e.name)] += t
+        spent, calls, shares = collections.Counter(), collections.Counter(), collections.Counter()
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                spent[e.key], calls[e.key] = e.self_cpu_time_total, e.count
+        for e in prof.events():
+            if e.self_cpu_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU:
+                shares['optimizer' if in_optimizer_step(e) else kind_of(e.name)] += e.self_cpu_time_total
+        kind = {name: kind_of(name) for name in spent}
+        busy_ms, what = sum(spent.values()) / 1000, 'operator'
+    total = sum(spent.values()) or 1.0
     meta = env.meta
     lines = ['# bench.py: profile of the top rung', '', f"- command: `{meta['command']}`", f"- date: {meta['date']}",
              f"- device: {meta['device']}; torch {meta['torch']}", f"- model: {meta['params'] / 1e6:.2f}M parameters; "
@@ -525,10 +556,9 @@ def profile(env):
         lines.append(f"| device idle (wall time no kernel covers) | {max(0.0, wall_ms - busy_ms):,.1f} | "
                      f"{max(0.0, 1 - busy_ms / wall_ms):.1%} of wall |")
     lines += ['', f'| top {what}s by time | kind | time (ms) | share | calls |', '|---|---|---:|---:|---:|']
-    calls = {e.key: e.count for e in prof.key_averages()}
-    for name, t in spent[:25]:
+    for name, t in spent.most_common(25):
         short = name if len(name) <= 90 else name[:87] + '...'
-        lines.append(f"| `{short}` | {kind_of(name)} | {t / 1000:,.1f} | {t / total:.1%} | {calls.get(name, '')} |")
+        lines.append(f"| `{short}` | {kind[name]} | {t / 1000:,.1f} | {t / total:.1%} | {calls[name]} |")
     text = '\n'.join(lines) + '\n'
     os.makedirs(env.out, exist_ok=True)
     with open(os.path.join(env.out, 'profile.md'), 'w') as f:
