@@ -38,6 +38,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Dynamo's CUDA device interface copies torch.cuda.current_device (and others) when it is first imported. Imported
+# while a test below fakes them (FakeCudaRng), it would keep the fake for the rest of the process: on the GPU a
+# later compiled run then asked for a device of the fake's (seen once under pytest -n 8 on an H100: 'Device index
+# value 2 is out of index range [0, 1)', and compile fell back to eager). Imported here, it holds the real ones.
+import torch._dynamo.device_interface  # noqa: E402,F401
+
 import model as model_module  # noqa: E402
 import train  # noqa: E402
 from conftest import read_metrics, write_dataset  # noqa: E402
@@ -599,7 +605,9 @@ def summary(request):
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         print('\n' + text)
     if os.environ.get('OUT'):
-        with open(os.path.join(os.environ['OUT'], 'test_cuda_summary.md'), 'w') as f:
+        worker = os.environ.get('PYTEST_XDIST_WORKER')  # under pytest -n: one file per worker
+        name = f"test_cuda_summary{'-' + worker if worker else ''}.md"
+        with open(os.path.join(os.environ['OUT'], name), 'w') as f:
             f.write(text)
 
 
