@@ -15,11 +15,11 @@ reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload, FP8 tensor
 compile, activation checkpointing full and selective under compile) and resumed from its iteration-12
 checkpoint: the loss falls, the resumed run repeats the uninterrupted one, compile made no graph break,
 peak memory is reported. Also: one process under torchrun matches the plain run, 2-process DDP with compile
-and activation checkpointing stays compiled, sample.py samples from an FP8-trained checkpoint. Sized to take
-under about 8 minutes on one H100 (not measured yet); it prints a summary table and, when $OUT is set, writes
-it to $OUT/test_cuda_summary.md.
+and activation checkpointing stays compiled, sample.py samples from an FP8-trained checkpoint. On one H100:
+63 passed in 144 s under `pytest -n 8` (pytest-xdist; the runs share the GPU). It prints a summary table and,
+when $OUT is set, writes it to $OUT/test_cuda_summary.md (one file per xdist worker).
 
-    python -m pytest -q test_cuda.py
+    python -m pytest -q test_cuda.py            # or -n 8, with pytest-xdist
 """
 import contextlib
 import io
