@@ -9,7 +9,8 @@ time. Steps, optimizer and data are train.py's.
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
     python bench.py --preset=tiny --compile=False    # seconds; presets: tiny, small, gpt2
     python bench.py --batch_size=8 --n_layer=24 --steps=20 --out=bench_h100
-    python bench.py --rungs=8,12 --n_layer=16 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1B
+    python bench.py --rungs=8,12 --n_layer=18 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1.01B
+    python bench.py --rungs=8,12 --fp8_recipe=rowwise   # the FP8 rung with rowwise scaling (default tensorwise)
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
     python bench.py --mode=profile                   # out/profile.md: where the compiled 124M step spends its time
 
@@ -81,6 +82,7 @@ DEFAULTS = dict(
     warmup=0, steps=0,                                                        # 0: the preset's
     repeats=3,              # timings of `steps` optimizer steps, of which the median counts
     n_kv_head=0,            # 0: n_head
+    fp8_recipe='tensorwise',  # the FP8 rung's scaling, as train.py's: 'tensorwise' or 'rowwise'
     gradient_accumulation_steps=0,                                            # 0: the preset's
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
@@ -228,10 +230,11 @@ def why_skip(change, env):
     return None
 
 
-def precision(s):
+def precision(s, fp8_recipe):
     text = {'float32': 'fp32 (TF32 matmuls)' if s['tf32'] else 'fp32', 'bfloat16': 'bf16 autocast',
             'float16': 'fp16 autocast + GradScaler'}[s['dtype']]
-    return text + (' + FP8 linears' if s['fp8'] else '') + (', 8-bit AdamW' if s['optimizer'] != 'adamw' else '')
+    return (text + (f' + FP8 linears ({fp8_recipe})' if s['fp8'] else '') +
+            (', 8-bit AdamW' if s['optimizer'] != 'adamw' else ''))
 
 
 def run_rung(s, env, timed=nullcontext):
@@ -311,8 +314,9 @@ def ladder(env):
         change = resolved(change, env)
         trial = {**base, **change}
         row = dict(rung=i, name=name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name,
-                   precision=precision(trial), settings=trial, status='ok', reason=why_skip(change, env),
-                   builds_on=base_row and base_row['name'], **{key: None for key, _ in COLUMNS.values()})
+                   precision=precision(trial, env.fp8_recipe), settings=trial, status='ok',
+                   reason=why_skip(change, env), builds_on=base_row and base_row['name'],
+                   **{key: None for key, _ in COLUMNS.values()})
         if env.rungs and i not in env.rungs:
             row.update(status='not run', reason='not in --rungs', builds_on=None)
             s = s if top or why_skip(change, env) else trial  # a rung left out still builds the next ones
@@ -419,7 +423,7 @@ def fit(env):
     env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 1  # step 2 holds the states
     n = max(1, env.tokens_per_step // env.block_size)  # sequences per optimizer step: no need to go past them
     print(f"fit: {env.meta['device']}, {env.meta['params'] / 1e6:.1f}M params, block_size {env.block_size}, "
-          f"{precision(s)}, eager; {n * env.block_size:,} tokens per optimizer step")
+          f"{precision(s, env.fp8_recipe)}, eager; {n * env.block_size:,} tokens per optimizer step")
     variants = []
     for name, change in [('as is', {}), ('act. ckpt full', dict(checkpointing='full')),
                          ('8-bit AdamW', dict(optimizer='adamw8bit')),
@@ -546,7 +550,7 @@ def profile(env):
     lines = ['# bench.py: profile of the top rung', '', f"- command: `{meta['command']}`", f"- date: {meta['date']}",
              f"- device: {meta['device']}; torch {meta['torch']}", f"- model: {meta['params'] / 1e6:.2f}M parameters; "
              f"{meta['tokens_per_iter']:,} tokens per step ({meta['batch_size']} x {meta['block_size']} x "
-             f"{meta['gradient_accumulation_steps']})", f"- rung: {precision(s)}; " + ', '.join(
+             f"{meta['gradient_accumulation_steps']})", f"- rung: {precision(s, env.fp8_recipe)}; " + ', '.join(
                  k for k, v in s.items() if v is True), f"- profiled: {env.steps} step(s) after {env.warmup} warm-up "
              f"step(s): {wall_ms:,.1f} ms wall, {row['tokens_per_sec']:,.0f} tokens/s" + (
                  f", MFU {row['mfu']:.1%}" if row['mfu'] else ''), '',
@@ -594,7 +598,7 @@ def setup(argv):
     """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
     a = configure(DEFAULTS, argv)
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
-               'dtype': ('auto', 'bfloat16', 'float16')}
+               'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': ('tensorwise', 'rowwise')}
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")

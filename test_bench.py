@@ -103,6 +103,22 @@ def test_rungs_runs_only_those_with_the_settings_of_the_whole_ladder(result, tmp
             bench.setup([*TINY, f'--rungs={bad}'])
 
 
+@pytest.mark.parametrize('recipe', ['tensorwise', 'rowwise'])
+def test_fp8_rung_converts_with_the_recipe_asked_for(monkeypatch, recipe):
+    # Reference: the recipe given on the command line reaches train.convert_to_fp8 (faked here: FP8 needs a
+    # GPU of capability 8.9) and the rung's precision names it; a recipe train.py does not know is an error.
+    seen = []
+    monkeypatch.setattr(train, 'convert_to_fp8', lambda model, r, device: seen.append(r) or False)
+    env = bench.setup([*TINY, f'--fp8_recipe={recipe}'])
+    s = {**bench.BASE, 'fp8': True}
+    with pytest.raises(bench.BenchError, match='no linear layer is large enough'):
+        bench.run_rung(s, env)
+    assert seen == [recipe]
+    assert bench.precision(s, env.fp8_recipe) == f'fp32 + FP8 linears ({recipe})'
+    with pytest.raises(bench.ConfigError, match="fp8_recipe='columnwise'"):
+        bench.setup([*TINY, '--fp8_recipe=columnwise'])
+
+
 def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
     # Reference: the kinds of known kernel names (CUDA's, as the profiler reports them), and on the CPU a
     # profile whose shares cover all the operator time: the optimizer's step and the matmuls are there.
