@@ -453,7 +453,8 @@ def fit(env):
         except Exception as e:
             row['note'] = f"skipped: {e}" if isinstance(e, BenchError) else f"failed: {type(e).__name__}: {e}"
         if held and max(held) > 2**30:  # a fitting size is then too small: the search is not to be trusted
-            row['note'] += f" (up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
+            leak = f"(up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
+            row['note'] = f"{row['note']} {leak}".strip()
         variants.append(row)
         print(f"  {name:<28} largest micro-batch {row['micro_batch']}: " + (
               f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
@@ -475,7 +476,8 @@ KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 
          ('matmul', ('gemm', 'matmul', 'cutlass', 'nvjet', 'xmma', 'wgmma', 'aten::mm', 'aten::addmm', 'aten::bmm',
                      'aten::baddbmm', 'aten::linear', 'scaled_mm', 'triton_tem_')),
          ('elementwise and other', ('triton_',)),  # inductor's fused kernels, whatever ops their names list
-         ('memory copy', ('memcpy', 'memset', 'aten::copy_', 'aten::cat', 'aten::clone')),
+         # copies that only move bytes; a cast (bfloat16_copy_kernel_cuda) computes, and counts as elementwise
+         ('memory copy', ('memcpy', 'memset', 'direct_copy_kernel', 'aten::copy_', 'aten::cat', 'aten::clone')),
          ('elementwise and other', ('',))]
 
 
@@ -499,7 +501,8 @@ def kernel_times(events):
     cuda = torch.autograd.DeviceType.CUDA
     spent, calls, shares, launched_by_optimizer = (collections.Counter() for _ in range(4))
     busy, end = 0.0, -math.inf
-    for e in sorted((e for e in events if e.device_type == cuda), key=lambda e: e.time_range.start):
+    kernels = [e for e in events if e.device_type == cuda and not getattr(e, 'is_user_annotation', False)]
+    for e in sorted(kernels, key=lambda e: e.time_range.start):  # (GPU-side annotations span kernels and gaps)
         start, stop = max(e.time_range.start, end), e.time_range.end  # the union of the kernels' intervals
         busy, end = busy + max(0.0, stop - start), max(end, stop)
         spent[e.name] += e.time_range.elapsed_us()
@@ -513,7 +516,8 @@ def kernel_times(events):
         shares['optimizer'] += in_optimizer
         shares[kind_of(name)] += t - in_optimizer
     shares = +shares  # drop the kinds with no time
-    kind = {name: 'optimizer' if 2 * launched_by_optimizer[name] >= t else kind_of(name) for name, t in spent.items()}
+    kind = {name: 'optimizer' if launched_by_optimizer[name] and 2 * launched_by_optimizer[name] >= t else kind_of(name)
+            for name, t in spent.items()}
     return spent, calls, shares, kind, busy / 1000
 
 
@@ -539,7 +543,8 @@ def profile(env):
         spent, calls, shares = collections.Counter(), collections.Counter(), collections.Counter()
         for e in prof.key_averages():
             if e.self_cpu_time_total > 0:
-                spent[e.key], calls[e.key] = e.self_cpu_time_total, e.count
+                spent[e.key] += e.self_cpu_time_total  # one key can have several rows (by device, annotation)
+                calls[e.key] += e.count
         for e in prof.events():
             if e.self_cpu_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU:
                 shares['optimizer' if in_optimizer_step(e) else kind_of(e.name)] += e.self_cpu_time_total

@@ -164,13 +164,17 @@ def test_kernel_times_count_each_kernel_once_and_the_optimizers_by_launcher():
         fake_kernel('triton_poi_fused_add_0', 90, 100),  # overlaps the matmul: busy time counts it once
         fake_kernel('triton_poi_fused_add_0', 200, 215), fake_kernel('triton_poi_fused_add_0', 215, 230),
         fake_kernel('cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7', 120, 160))
+    # the profiler hangs each kernel on the operator (or inductor's per-kernel record) that launched it
     step = fake_cpu_call('Optimizer.step#AdamW.step')
-    forward = fake_cpu_call('aten::linear')
-    launchers = [fake_cpu_call('cudaLaunchKernel', fake_cpu_call('aten::mm', forward), [mm]),
-                 fake_cpu_call('cuLaunchKernel', forward, [add_fwd]),
-                 fake_cpu_call('cuLaunchKernel', fake_cpu_call('aten::add_', step), [add_opt, add_opt2]),
-                 fake_cpu_call('cudaLaunchKernel', forward, [attn])]
-    events = [step, forward, *launchers, attn, add_opt2, mm, add_opt, add_fwd]  # any order
+    forward = fake_cpu_call('CompiledFunction')
+    launchers = [fake_cpu_call('aten::mm', fake_cpu_call('aten::linear', forward), [mm]),
+                 fake_cpu_call('triton_poi_fused_add_0', forward, [add_fwd]),
+                 fake_cpu_call('aten::add_', step, [add_opt, add_opt2]),
+                 fake_cpu_call('aten::_scaled_dot_product_cudnn_attention', forward, [attn])]
+    # a GPU-side annotation spans kernels and the gaps between them: neither a kernel nor busy time
+    annotation = fake_kernel('Optimizer.step#AdamW.step', 0, 1000)
+    annotation.is_user_annotation = True
+    events = [step, forward, *launchers, attn, add_opt2, annotation, mm, add_opt, add_fwd]  # any order
     spent, calls, shares, kind, busy_ms = bench.kernel_times(events)
     assert spent == {mm.name: 100, add_fwd.name: 40, attn.name: 40}
     assert calls == {mm.name: 1, add_fwd.name: 3, attn.name: 1}
@@ -278,6 +282,28 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
     assert variants[0]['failures'] == [{'batch_size': b, 'error': 'OutOfMemoryError: CUDA out of memory'}
                                        for b in (32, 24, 22, 21)]
     assert '--batch_size=32 --gradient_accumulation_steps=2' in capsys.readouterr().out
+
+
+def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
+    # Reference: a made-up GPU whose failed tries leave 3 GiB allocated (and cuBLAS failing with ALLOC_FAILED
+    # past 6): each try's allocated bytes and each failure are recorded, and the row says the search saw a leak.
+    allocated = [0]
+
+    def fake_run_rung(s, env):
+        if env.batch_size > 6:
+            allocated[0] = 3 << 30
+            raise RuntimeError('CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`')
+    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2048'])
+    env.device_type = 'cuda'
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: allocated[0])
+    assert bench.fit(env) == 0
+    first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
+    assert first['micro_batch'] == 6
+    assert first['held_before_try'] == [0, 0, 0, 0, 3 << 30, 3 << 30]  # 1, 2, 4, 8 | 6, 7
+    assert [f['batch_size'] for f in first['failures']] == [8, 7]
+    assert 'ALLOC_FAILED' in first['failures'][0]['error']
+    assert first['note'] == '(up to 3.0 GiB still allocated before a try: a leak)'
 
 
 def test_fit_mode_on_the_cpu_says_it_needs_a_gpu():
