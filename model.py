@@ -106,14 +106,18 @@ class GPTConfig:
 # RMSNorm
 
 class RMSNorm(nn.RMSNorm):
-    """torch's nn.RMSNorm (same parameters, same state dict), with a hand-written backward for float32 and
-    float64 on the CPU: torch 2.13's CPU rms_norm is composite (pow, mean, add, rsqrt, mul, mul) and autograd
-    runs each op's backward, about twice the elementwise passes of the formula's gradient below."""
+    """torch's nn.RMSNorm (same parameters, same state dict), with a hand-written backward on the CPU: torch 2.13's
+    CPU rms_norm is composite (pow, mean, add, rsqrt, mul, mul) and autograd runs each op's backward, about twice
+    the elementwise passes of the formula's gradient below. bf16 and fp16 inputs (autocast's) are normalized in
+    float32, where torch's composite warns that it cannot fuse a float32 weight with them."""
 
     def forward(self, x):
-        if x.device.type != 'cpu' or x.dtype not in (torch.float32, torch.float64) or self.weight is None:
+        if x.device.type != 'cpu' or self.weight is None:
             return super().forward(x)
-        return _RMSNormFunction.apply(x, self.weight, torch.finfo(x.dtype).eps if self.eps is None else self.eps)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        if x.dtype in (torch.bfloat16, torch.float16):  # under autocast: computed in float32, returned in x's dtype
+            return _RMSNormFunction.apply(x.float(), self.weight.float(), eps).to(x.dtype)  # as torch's, warning-free
+        return _RMSNormFunction.apply(x, self.weight, eps)
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -1188,7 +1188,7 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 means the 
     'short_block_size': [-4, 3, 8, 16], 'short_block_iters': [-1],  # block_size 8: 8 / 2**k only
     'wsd_decay_frac': [0.0, 1.5, -0.1, NAN], 'lr_schedule': ['linear'], 'mlp': ['relu'],
     'init_from': ['resum'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
-    'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'],
+    'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'], 'muon_dtype': ['fp32', 'float16'],
     'device': ['gpu', 'meta', 'cuda', 'cuda:7', 'mps'],
 }
 
@@ -1231,7 +1231,8 @@ def test_bad_value_from_the_command_line(data, tmp_path):
 
 
 @pytest.mark.parametrize('flags, named', [
-    (['--optimizer=adamw', '--muon_split=True', '--muon_ns_steps=3'], ['muon_split=True', 'muon_ns_steps=3']),
+    (['--optimizer=adamw', '--muon_split=True', '--muon_ns_steps=3', '--muon_dtype=float32'],
+     ['muon_split=True', 'muon_ns_steps=3', "muon_dtype='float32'"]),
     (['--lr_schedule=cosine', '--wsd_decay_frac=0.4'], ['wsd_decay_frac=0.4']),
     (['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.4'], []),
 ])

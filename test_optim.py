@@ -1,6 +1,7 @@
 """
 Tests for the optimizer and precision branches of train.py and model.py: bitsandbytes' 8-bit AdamW, Muon
-(the project's Muon on the blocks' matrices, AdamW on the rest; checked against torch.optim.Muon), the errors for a missing or broken
+(the project's Muon on the blocks' matrices, AdamW on the rest; checked against torch.optim.Muon; its
+Newton-Schulz dtype), the precision each device gets (pick_dtype), the errors for a missing or broken
 bitsandbytes, FP8 on a machine without it, the FP8 layer filter, selective activation checkpointing, and
 the option combinations that are refused. Each is checked against a reference computed here without the
 code under test: an uninterrupted run for resume, byte counts from the parameter shapes, a Newton-Schulz
@@ -800,6 +801,45 @@ def test_first_iteration_of_main_is_one_plain_adamw_step(data, tmp_path):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
+@pytest.mark.parametrize('name, device, native, want', [
+    ('auto', 'cpu', True, 'float32'), ('auto', 'cuda', True, 'bfloat16'), ('auto', 'cuda', False, 'float16'),
+    ('bfloat16_if_native', 'cpu', True, 'bfloat16'), ('bfloat16_if_native', 'cpu', False, 'float32'),
+    ('bfloat16_if_native', 'cuda', True, 'bfloat16'), ('bfloat16_if_native', 'cuda', False, 'float32'),
+    ('bfloat16_if_native', 'mps', True, 'float32'), ('bfloat16', 'cpu', False, 'bfloat16'),
+    ('float32', 'cuda', True, 'float32'),
+])
+def test_precision_follows_the_device(monkeypatch, name, device, native, want):
+    # Reference: the rule in the comment on train.py's dtype. 'auto' keeps the CPU in float32 (never a silent
+    # change of a CPU run's numbers) and takes bf16 or else fp16 on CUDA; 'bfloat16_if_native' takes bf16 only
+    # where it is native (a GPU with bf16, a CPU with bf16 dot products: both faked here), float32 elsewhere,
+    # never fp16; a named dtype is taken as named, and bf16 on a CPU without the units says it is slow there.
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: native)
+    monkeypatch.setattr(train, 'cpu_has_bf16', lambda: native)
+    dtype, why = train.pick_dtype(name, device)
+    assert dtype == want
+    assert ('slower than float32' in why) == (name == 'bfloat16' and device == 'cpu' and not native), why
+
+
+@pytest.mark.parametrize('native', [True, False])
+def test_bfloat16_if_native_trains_in_bf16_only_where_native(data, tmp_path, monkeypatch, native):
+    # Reference: the same run with --dtype=bfloat16 (CPU autocast) and with --dtype=float32. Where the CPU has
+    # bf16 units (faked) the run is the bf16 run, loss for loss (its rounding sets it apart from float32 by
+    # 1e-3 or more here); where it has none, the float32 run, bit for bit. The report says which, and why.
+    monkeypatch.setattr(train, 'cpu_has_bf16', lambda: native)
+    runs = {}
+    for name in ('bfloat16_if_native', 'bfloat16', 'float32'):
+        out = tmp_path / name
+        code, stdout = main_capture(args(data, out, f'--dtype={name}', '--max_iters=6', '--eval_interval=6'))
+        assert code == 0
+        runs[name] = [r['loss'] for r in read_metrics(out) if 'loss' in r]
+        if name == 'bfloat16_if_native':
+            line = re.search(r'precision +(.*)', stdout).group(1)
+    assert len(runs['float32']) == 6 and max(abs(a - b) for a, b in zip(runs['bfloat16'], runs['float32'])) > 1e-3
+    assert runs['bfloat16_if_native'] == runs['bfloat16' if native else 'float32']
+    assert line == ('bfloat16 (this CPU has bf16 dot products: AVX512-BF16 or AMX)' if native
+                    else 'float32 (no native bf16 on this cpu: float32)')
+
+
 # ----------------------------------------------------------------------------------------------------
 # the project's Muon: torch.optim.Muon's update, cheaper on the CPU, and per part of a fused matrix
 
@@ -846,6 +886,43 @@ def test_muon_matches_torch_muon():
             new = w[n] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(shapes[n])) * newton_schulz_ref(u).double()
             assert rel_err(got[step][n].double(), new - w[n]) < 1e-4, (step, n)
             w[n] = w[n] + got[step][n].double()  # follow our trajectory
+
+
+def test_muon_newton_schulz_in_bf16_is_bf16_rounding_away_from_float64():
+    # Reference: newton_schulz_ref (float64), as in the test above. With ns_dtype=bfloat16 (muon_dtype: what a CPU
+    # with bf16 units and CUDA run) the update is within bf16 rounding of it (under 3%, the tolerance torch's own
+    # bf16 Muon meets above) but no longer within float32's (1e-4): the iteration did run in bf16.
+    lr, wd = 2e-2, 0.5
+    gen = torch.Generator().manual_seed(0)
+    shapes = {'a': (96, 32), 'c': (32, 32)}
+    grads = [{n: spread_gradient(s, gen)[0] for n, s in shapes.items()}]
+    weights = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    errs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = {n: nn.Parameter(w.clone()) for n, w in weights.items()}
+        got = muon_steps(train.Muon(list(params.values()), lr=lr, weight_decay=wd, ns_dtype=dtype), params, grads)[0]
+        for n, s in shapes.items():
+            u = 0.05 * grads[0][n].double() + 0.95 * 0.05 * grads[0][n].double()  # nesterov on a fresh buffer
+            want = -weights[n].double() * lr * wd - lr * 0.2 * math.sqrt(max(s)) * newton_schulz_ref(u).double()
+            errs[dtype, n] = rel_err(got[n].double(), want)
+    for n in shapes:
+        assert errs[torch.float32, n] < 1e-4 and 1e-3 < errs[torch.bfloat16, n] < 0.03, errs
+
+
+@pytest.mark.parametrize('setting, device, bf16_units, want', [
+    ('auto', 'cuda', False, 'bfloat16'), ('auto', 'cpu', True, 'bfloat16'), ('auto', 'cpu', False, 'float32'),
+    ('auto', 'mps', True, 'float32'), ('float32', 'cuda', True, 'float32'), ('bfloat16', 'cpu', False, 'bfloat16'),
+])
+def test_muon_dtype_follows_the_device_unless_set(monkeypatch, setting, device, bf16_units, want):
+    # Reference: the rule in train.py's comment on muon_dtype. 'auto' is bf16 on CUDA and on a CPU with bf16 dot
+    # products (torch's AVX512-BF16 and AMX probes, faked here), float32 elsewhere; a setting is taken as it is.
+    # The optimizer gets the dtype named, and the reason given is the one report() prints.
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: bf16_units)
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
+    name, why = train.muon_ns_dtype(setting, device)
+    assert name == want and (why == 'as configured') == (setting != 'auto')
+    muon = train.configure_optimizer(tiny_model(), opt_cfg(optimizer='muon', muon_dtype=setting), device).optimizers[0]
+    assert muon.ns_dtype == getattr(torch, want)
 
 
 @pytest.mark.parametrize('n_kv_head, mlp', [(2, 'swiglu'), (1, 'geglu')])

@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 import time as time_module
+import warnings
 from contextlib import nullcontext, redirect_stdout
 from types import SimpleNamespace
 
@@ -1240,3 +1241,29 @@ def test_rmsnorm_gradients_match_the_formula(shape):
     grads = [torch.autograd.grad(o, (x32, m.weight), g.float()) for o, m in zip(outs, (fast, ref))]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_under_cpu_autocast_is_float32_math_rounded_once():
+    # Reference: the formula in float64 on the bf16 input. Under CPU autocast the norms (the q/k norms of
+    # qk_norm) get bf16 input and a float32 gain; ours computes in float32 and rounds the output once to bf16,
+    # so it is within half a bf16 step (at most 2^-8 of the value) of the exact value, as is the input's
+    # gradient; the gain's gradient stays float32. Computed in bf16 throughout, a quarter of the outputs miss.
+    # torch's own path warns on every call that it cannot fuse a float32 gain with bf16 input: ours must not.
+    torch.manual_seed(0)
+    C = 32
+    norm = model_module.RMSNorm(C, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(C))
+    x = (torch.randn(64, C) * 3).bfloat16().requires_grad_()
+    g = torch.randn(64, C, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        y = norm(x)
+        got = torch.autograd.grad(y, (x, norm.weight), g.bfloat16())
+    assert y.dtype == torch.bfloat16 and got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    exact = rms_norm_ref(x64, w64, 1e-5)
+    assert ((y.double() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.001).all()
+    want = torch.autograd.grad(exact, (x64, w64), g.bfloat16().double())
+    torch.testing.assert_close(got[0].double(), want[0], rtol=2.0 ** -8, atol=1e-6)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)

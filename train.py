@@ -14,7 +14,8 @@ branches.
 Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
 keys and wrong types are errors; check_config: values out of range are errors). Features, each findable by name:
 - device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
-  has it, else fp16 with a GradScaler; float32 on CPU; TF32 matmuls on CUDA.
+  has it, else fp16 with a GradScaler; float32 on CPU (bf16 on request, or where native: cpu_has_bf16);
+  TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
   random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched; the first
   short_block_iters steps can train on shorter windows, growing to block_size (window_at).
@@ -114,6 +115,8 @@ short_block_iters = 0           # at this iteration (each drawn window cut into 
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
 muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
 muon_ns_steps = 5               # muon: Newton-Schulz iterations per step (fewer: cheaper, rougher orthogonalization)
+muon_dtype = 'auto'             # muon: Newton-Schulz in 'float32' or 'bfloat16'; 'auto': bf16 where the device
+                                # multiplies bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else float32
 optimizer_offload = False       # keep AdamW's state in CPU memory (torchao; one CUDA GPU)
 learning_rate = 6e-4            # muon uses it too: its updates are scaled to AdamW's RMS
 weight_decay = 0.1              # applied to matrices only, never to norms
@@ -129,7 +132,8 @@ lr_schedule = 'cosine'          # 'cosine' decay, or 'wsd': stable at learning_r
 wsd_decay_frac = 0.2            # wsd: the decay takes this last fraction of lr_decay_iters
 # system
 device = 'auto'                 # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16 uses a GradScaler)
+dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16 uses a GradScaler), or
+                                # 'bfloat16_if_native': bf16 where the device multiplies it natively, else float32
 compile = False                 # torch.compile the model
 compile_mode = 'default'        # 'default', 'reduce-overhead' or 'max-autotune'
 activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
@@ -173,15 +177,32 @@ def pick_device(name):
 
 def pick_dtype(name, device_type):
     """The compute dtype, and why it was chosen."""
-    if name not in ('auto', 'float32', 'bfloat16', 'float16'):
-        raise TrainError(f"dtype={name!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'")
+    if name not in CHOICES['dtype']:
+        raise TrainError(f"dtype={name!r}: expected one of {', '.join(map(repr, CHOICES['dtype']))}")
+    cuda_bf16 = device_type == 'cuda' and torch.cuda.is_bf16_supported()
+    if name == 'bfloat16_if_native':
+        if cuda_bf16 or (device_type == 'cpu' and cpu_has_bf16()):
+            return 'bfloat16', f'this {"GPU supports bf16" if cuda_bf16 else "CPU has " + CPU_BF16}'
+        return 'float32', f'no native bf16 on this {device_type}: float32'
     if name != 'auto':
-        return name, 'as configured'
+        slow = name == 'bfloat16' and device_type == 'cpu' and not cpu_has_bf16()
+        return name, 'as configured' + ('; this CPU has no bf16 dot products: emulated, slower than float32'
+                                         if slow else '')
     if device_type == 'cuda':
-        if torch.cuda.is_bf16_supported():
+        if cuda_bf16:
             return 'bfloat16', 'this GPU supports bf16'
         return 'float16', 'this GPU has no bf16: fp16 with a GradScaler'
     return 'float32', f'mixed precision is left off on {device_type} by default'
+
+
+CPU_BF16 = 'bf16 dot products: AVX512-BF16 or AMX'
+
+
+def cpu_has_bf16():
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). There a small model's bf16 matmuls run
+    about 2x float32's speed; elsewhere they are emulated: 1.5x (AVX-512) to 8x (AVX2) slower than float32.
+    NOTE: torch's only probes are private helpers; a missing one counts as no."""
+    return any(getattr(torch.cpu, f, lambda: False)() for f in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -391,15 +412,15 @@ class Muon(torch.optim.Optimizer):
       for a gated MLP) is orthogonalized and scaled part by part, as if each part were a matrix of its own,
       as modded-nanogpt does with separate matrices;
     - cost on small matrices: all matrices (or parts) of one shape go through Newton-Schulz together, as
-      batched matmuls, in float32 off CUDA: a CPU without bf16 units runs torch's bf16 Newton-Schulz about
-      10x slower than float32 (bf16 on CUDA, as torch).
+      batched matmuls, in ns_dtype: bf16 as torch where the device has bf16 units (muon_ns_dtype); a CPU
+      without them runs bf16 Newton-Schulz about 10x slower than float32, one with them about 2x faster.
     The state is torch's ('momentum_buffer' per matrix; the groups' settings are the constructor's, which
     train.py's resume keeps), so the momentum of either optimizer's checkpoint loads into the other.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum=0.95, ns_steps=5, parts=None):
+    def __init__(self, params, lr, weight_decay, momentum=0.95, ns_steps=5, parts=None, ns_dtype=torch.float32):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
-        self.parts = parts or {}
+        self.parts, self.ns_dtype = parts or {}, ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -423,8 +444,7 @@ class Muon(torch.optim.Optimizer):
                 for rows, part in zip(p.split(sizes), update.split(sizes)):
                     jobs[part.shape, p.device].append((rows, part))
             for (shape, device), parts in jobs.items():
-                dtype = torch.bfloat16 if device.type == 'cuda' else torch.float32
-                ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], dtype)
+                ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], self.ns_dtype)
                 for (rows, _), o in zip(parts, ortho):
                     rows.add_(o.to(rows.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
         return loss
@@ -443,6 +463,21 @@ def newton_schulz(G, steps, dtype=torch.float32):
         A = X @ X.mT
         X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)  # a X + (b A + c A^2) X
     return X.mT if tall else X
+
+
+def muon_ns_dtype(setting, device_type):
+    """The name of Muon's Newton-Schulz dtype for muon_dtype=setting, and why. bf16 where the device multiplies
+    it natively: CUDA (as torch.optim.Muon), and CPUs with AVX512-BF16 or AMX (2x float32's speed on the small
+    batched matmuls of a CPU-sized model); float32 elsewhere, where bf16 matmuls are emulated, about 10x slower."""
+    if setting != 'auto':  # check_config allows 'float32' and 'bfloat16'
+        dtype, why = setting, 'as configured'
+    elif device_type == 'cuda':
+        dtype, why = 'bfloat16', 'as torch.optim.Muon on CUDA'
+    elif device_type == 'cpu' and cpu_has_bf16():
+        dtype, why = 'bfloat16', 'this CPU has ' + CPU_BF16
+    else:
+        dtype, why = 'float32', f'{device_type} has no native bf16 matmul'
+    return dtype, why
 
 
 def configure_optimizer(model, cfg, device_type, fused=None):
@@ -467,7 +502,7 @@ def configure_optimizer(model, cfg, device_type, fused=None):
         groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
         parts = model.fused_parts() if cfg.muon_split else {}
         muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, ns_steps=cfg.muon_ns_steps,
-                    parts=parts)
+                    parts=parts, ns_dtype=getattr(torch, muon_ns_dtype(cfg.muon_dtype, device_type)[0]))
         return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=fused or None))
     if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
         bnb = import_bitsandbytes(cfg.optimizer, device_type)
@@ -795,8 +830,9 @@ def stop_on_signals():
 CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpointing': ('none', 'full', 'selective'),
            'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
            'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp'),
-           'dtype': ('auto', 'float32', 'bfloat16', 'float16'), 'lr_schedule': ('cosine', 'wsd'),
-           'mlp': ('swiglu', 'geglu', 'gelu', 'relu2')}
+           'dtype': ('auto', 'float32', 'bfloat16', 'float16', 'bfloat16_if_native'),
+           'lr_schedule': ('cosine', 'wsd'), 'mlp': ('swiglu', 'geglu', 'gelu', 'relu2'),
+           'muon_dtype': ('auto', 'float32', 'bfloat16')}
 # (keys, test(value, cfg), what the value must be). Every float must also be finite: an inf can only come
 # from an overflowing literal (1e999), and each key has a finite way to say what inf would (grad_clip=0).
 RANGES = [
@@ -855,6 +891,7 @@ def check_config(cfg):
 # settings that only one choice of another reads: set away from their default under another choice, they
 # would change nothing, and report() says so rather than let a run look like it used them
 APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimizer', 'muon'),
+                'muon_dtype': ('optimizer', 'muon'),
                 'wsd_decay_frac': ('lr_schedule', 'wsd')}
 
 
@@ -1325,7 +1362,9 @@ def report(r):
     say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
     fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in optimizers(r.optimizer))
     say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
-        + (', stepped on the CPU (torchao)' if cfg.optimizer_offload else ''))
+        + (', stepped on the CPU (torchao)' if cfg.optimizer_offload else '')
+        + (", Newton-Schulz in {} ({})".format(*muon_ns_dtype(cfg.muon_dtype, r.device_type))
+           if cfg.optimizer == 'muon' else ''))
     where = state_where(r.optimizer)  # a resumed run's state is there already, a new run's comes at its first step
     if not where:
         where = ('paged CUDA managed memory for the large tensors (bitsandbytes), GPU memory for the rest'
