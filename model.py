@@ -171,16 +171,33 @@ def rope_cache(seq_len, head_dim, base, scaling=None):
     return angles.cos(), angles.sin()
 
 
+def rotary_tables(cos, sin):
+    """[cos, cos] and [-sin, sin] of shape (T, 1, D), from the (T, D/2) cos and sin of the angles: what
+    apply_rotary multiplies by. GPT.forward builds them once for all its layers."""
+    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+
+
 def apply_rotary(x, cos, sin):
-    """Rotate channel pairs (i, i + D/2) of x (B, T, H, D) by the angles of cos/sin (T, D/2):
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), computed as x * [cos, cos] + [x2, x1] * [-sin, sin].
+    """Rotate channel pairs (i, i + D/2) of x (B, T, H, D) by the angles of cos/sin (T, D/2), or of the tables
+    that rotary_tables makes of them: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), computed as
+    x * [cos, cos] + [x2, x1] * [-sin, sin].
     NOTE: three kernels over whole heads (mul, flip, addcmul); the textbook form (chunk, four muls, sub, add,
     cat) runs seven, on half-head slices that the CPU's elementwise loops handle poorly."""
     D = x.size(-1)
-    cos2 = torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype)  # (T, 1, D)
-    sin2 = torch.cat((-sin, sin), dim=-1)[:, None, :].to(x.dtype)
+    if cos.dim() == 2:
+        cos, sin = rotary_tables(cos, sin)
     swapped = x.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)  # [x2, x1]
-    return torch.addcmul(x * cos2, swapped, sin2)
+    return torch.addcmul(x * cos.to(x.dtype), swapped, sin.to(x.dtype))
+
+
+def attend(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention(q, k, v, **kwargs), except under CPU autocast: there in float32, since
+    torch 2.13's CPU flash attention runs bf16 1.3x (T=256) to 3x (T=64) slower than float32 (head_dim 32,
+    forward and backward); the output is float32 then, and the projection after it casts it back."""
+    if q.device.type != 'cpu' or not torch.is_autocast_enabled('cpu'):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with torch.autocast('cpu', enabled=False):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,8 +226,7 @@ class CausalSelfAttention(nn.Module):
         # NOTE: is_causal aligns the mask to the top-left corner, so with a cache it is only right for a
         # prefill (empty cache); a single new token attends to every cached position, no mask needed.
         assert cache is None or T == 1 or k.size(2) == T, "decode one token at a time after the prefill"
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=(T > 1), enable_gqa=(H != Hkv),
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, is_causal=(T > 1), enable_gqa=(H != Hkv), dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
@@ -405,7 +421,7 @@ class GPT(nn.Module):
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
-        cos, sin = self.cos[start:start + T], self.sin[start:start + T]
+        cos, sin = rotary_tables(self.cos[start:start + T], self.sin[start:start + T])  # once for every layer
         x = x0 = self.drop(self.wte(idx))  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             if self.x0_scale is not None and layer:

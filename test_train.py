@@ -29,7 +29,8 @@ import torch.nn.functional as F
 import model as model_module
 import train
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, sample_next
+from model import (GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, rotary_tables,
+                   sample_next)
 from prepare_data import prepare
 from train import configure_optimizer, get_lr, train_step
 
@@ -959,8 +960,8 @@ def rope_textbook(x, cos, sin):
 
 def test_rope_matches_the_textbook_formulation():
     # Reference: rope_textbook in float64, values and gradients, on q and k as the model passes them (strided
-    # views into the fused qkv output), at positions 0..T-1 and at an offset (the KV cache's decode step);
-    # float32 within its rounding. A sign slip or swapped halves is off by O(1).
+    # views into the fused qkv output), at positions 0..T-1 and at an offset (the KV cache's decode step), from
+    # the angles and from rotary_tables; float32 within its rounding. A sign slip or swapped halves is off by O(1).
     torch.manual_seed(0)
     B, T, H, D = 2, 16, 3, 8
     qkv = torch.randn(B, T, 3 * H * D, dtype=torch.float64, requires_grad=True)
@@ -970,6 +971,9 @@ def test_rope_matches_the_textbook_formulation():
         x = q[:, :n]
         got, want = apply_rotary(x, cos.double(), sin.double()), rope_textbook(x, cos.double(), sin.double())
         torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+        # the tables GPT.forward builds once for all layers: the same rotation
+        tables = rotary_tables(cos.double(), sin.double())
+        torch.testing.assert_close(apply_rotary(x, *tables), want, rtol=0, atol=1e-14)
         g = torch.randn_like(want)
         torch.testing.assert_close(torch.autograd.grad(got, qkv, g)[0], torch.autograd.grad(want, qkv, g)[0],
                                    rtol=0, atol=1e-14)
@@ -1241,6 +1245,24 @@ def test_rmsnorm_gradients_match_the_formula(shape):
     grads = [torch.autograd.grad(o, (x32, m.weight), g.float()) for o, m in zip(outs, (fast, ref))]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_under_cpu_autocast_runs_in_float32():
+    # Reference: F.scaled_dot_product_attention in float32 on the same bf16 q, k, v. Under CPU autocast, attend
+    # gives exactly that (torch's CPU flash attention is slower in bf16), where SDPA alone would run in bf16;
+    # outside autocast it is SDPA itself, dtype and values.
+    torch.manual_seed(0)
+    q, k, v = [torch.randn(2, 4, 16, 8).bfloat16() for _ in range(3)]
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        got = model_module.attend(q, k, v, is_causal=True)
+        alone = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert got.dtype == torch.float32 and alone.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (alone.float() - want).abs().max() > 1e-4  # what the bf16 path would have given instead
+    plain = model_module.attend(q, k, v, is_causal=True)
+    assert plain.dtype == torch.bfloat16
+    torch.testing.assert_close(plain, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=0, atol=0)
 
 
 def test_rmsnorm_under_cpu_autocast_is_float32_math_rounded_once():
