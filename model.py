@@ -5,11 +5,14 @@ model, then FLOPs/MFU arithmetic and generation.
 Features, each findable by name below:
 - GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden, unless set) and shape checks in
   __post_init__.
-- RMSNorm (torch's nn.RMSNorm, with a cheaper backward on the CPU), pre-norm residual blocks, no biases.
-- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers; optionally with Llama 3's
-  frequency scaling (llama3_scaling, rope_scaling_factor > 0), as in Llama 3.1 and 3.2.
+- RMSNorm (torch's nn.RMSNorm, with a cheaper backward on the CPU, float32 under CPU autocast), pre-norm
+  residual blocks, no biases.
+- Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers, turned into the tables
+  apply_rotary multiplies by once per forward (rotary_tables); optionally with Llama 3's frequency scaling
+  (llama3_scaling, rope_scaling_factor > 0), as in Llama 3.1 and 3.2.
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
-  attention through F.scaled_dot_product_attention (flash / memory-efficient kernels); optional QK-norm.
+  attention through F.scaled_dot_product_attention (flash / memory-efficient kernels; in float32 under CPU
+  autocast: attend); optional QK-norm.
 - MLP: SwiGLU (default), GeGLU, GELU or ReLU^2.
 - x0_mix: each block after the first also reads a learned multiple of the token embeddings.
 - Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth

@@ -22,8 +22,8 @@ keys and wrong types are errors; check_config: values out of range are errors). 
 - train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
   non-finite losses and gradients away from the weights.
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
-  (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices; torchao's CPU-offload AdamW.
-  get_lr: warmup + cosine. Label smoothing.
+  (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
+  muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
 - activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails, a stop
   with advice if it runs out of memory), periodic eval.
