@@ -67,7 +67,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import model as model_module
 import train
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig, apply_rotary
+from model import GPT, GPTConfig, apply_rotary, attend
 
 DEFAULTS = dict(
     mode='ladder',          # 'ladder'; 'fit': the largest micro-batch that fits in GPU memory; 'profile': the
@@ -129,8 +129,7 @@ class SeparateQKVAttention(nn.Module):
         q, k, v = self.q(x).view(B, T, H, D), self.k(x).view(B, T, Hkv, D), self.v(x).view(B, T, Hkv, D)
         q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(H != Hkv),
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, is_causal=True, enable_gqa=(H != Hkv), dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
         return F.dropout(self.proj(y), self.dropout, self.training)
 

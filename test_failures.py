@@ -612,13 +612,16 @@ def bad_data(kind, d):
     d = str(d)
     p = lambda name: os.path.join(d, name)  # noqa: E731
     if kind == 'missing-train.bin':
-        write_data(d); os.remove(p('train.bin'))
+        write_data(d)
+        os.remove(p('train.bin'))
         return p('train.bin'), []
     if kind == 'missing-val.bin':
-        write_data(d); os.remove(p('val.bin'))
+        write_data(d)
+        os.remove(p('val.bin'))
         return p('val.bin'), []
     if kind == 'missing-meta.json':
-        write_data(d); os.remove(p('meta.json'))
+        write_data(d)
+        os.remove(p('meta.json'))
         return p('meta.json'), ['prepare_data.py']
     if kind == 'train-shorter-than-block':        # block_size 8 needs 9 tokens
         write_data(d, train_tokens=np.arange(8) % V)

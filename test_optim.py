@@ -381,10 +381,10 @@ def test_muon_update_is_orthogonal_and_rms_matched():
     for n in sorted(hidden):
         A, B = params[n].shape
         step = before[n] * (1 - lr * wd) - params[n].detach()
-        O = step / (lr * 0.2 * math.sqrt(max(A, B)))
-        sv = torch.linalg.svdvals(O)
+        ortho = step / (lr * 0.2 * math.sqrt(max(A, B)))
+        sv = torch.linalg.svdvals(ortho)
         assert sv.min() > 0.6 and sv.max() < 1.3, f"{n}: singular values {sv.min():.3f}..{sv.max():.3f}"
-        cos = (O * polar[n]).sum() / (O.norm() * polar[n].norm())
+        cos = (ortho * polar[n]).sum() / (ortho.norm() * polar[n].norm())
         assert cos > 0.98, f"{n}: cosine with U V^T {cos:.3f}"
         rms = step.pow(2).mean().sqrt() / lr
         assert 0.15 < rms < 0.22, f"{n}: update RMS / lr = {rms:.3f}"
@@ -982,11 +982,13 @@ SPEEDRUN_FLAGS = ['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', 
                   '--x0_mix=True', '--n_layer=2', '--eval_iters=0', '--short_block_size=4', '--short_block_iters=6']
 
 
-def test_resume_is_bit_exact_with_the_speedrun_options(tmp_path):
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_resume_is_bit_exact_with_the_speedrun_options(tmp_path, dtype):
     # Reference: the same run straight through; stopped at 4 and resumed, it must log the same losses and end
-    # with bitwise-equal weights and optimizer state (as test_resume_is_bit_exact, with every speedrun option).
+    # with bitwise-equal weights and optimizer state (as test_resume_is_bit_exact, with every speedrun option),
+    # in float32 and in the speedrun's bf16 (CPU autocast, Newton-Schulz in bf16).
     data_dir = write_data(tmp_path / 'data')
-    common = [*RESUME_FLAGS, *SPEEDRUN_FLAGS]
+    common = [*RESUME_FLAGS, *SPEEDRUN_FLAGS, f'--dtype={dtype}', f'--muon_dtype={dtype}']
     a, b = tmp_path / 'a', tmp_path / 'b'
     assert main_capture(args(data_dir, a, *common, '--max_iters=8'))[0] == 0
     assert main_capture(args(data_dir, b, *common, '--max_iters=4'))[0] == 0
