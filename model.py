@@ -117,10 +117,10 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x):
         if x.device.type != 'cpu' or self.weight is None:
             return super().forward(x)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        if x.dtype in (torch.bfloat16, torch.float16):  # under autocast: computed in float32, returned in x's dtype
-            return _RMSNormFunction.apply(x.float(), self.weight.float(), eps).to(x.dtype)  # as torch's, warning-free
-        return _RMSNormFunction.apply(x, self.weight, eps)
+        if x.dtype in (torch.bfloat16, torch.float16):  # under autocast: computed in float32, returned in x's dtype,
+            eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps  # as torch's, warning-free
+            return _RMSNormFunction.apply(x.float(), self.weight.float(), eps).to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, torch.finfo(x.dtype).eps if self.eps is None else self.eps)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -200,7 +200,8 @@ def attend(q, k, v, **kwargs):
     if q.device.type != 'cpu' or not torch.is_autocast_enabled('cpu'):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     with torch.autocast('cpu', enabled=False):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
+        return F.scaled_dot_product_attention(*(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+                                                for t in (q, k, v)), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------

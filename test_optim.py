@@ -915,12 +915,14 @@ def test_muon_newton_schulz_in_bf16_is_bf16_rounding_away_from_float64():
 ])
 def test_muon_dtype_follows_the_device_unless_set(monkeypatch, setting, device, bf16_units, want):
     # Reference: the rule in train.py's comment on muon_dtype. 'auto' is bf16 on CUDA and on a CPU with bf16 dot
-    # products (torch's AVX512-BF16 and AMX probes, faked here), float32 elsewhere; a setting is taken as it is.
-    # The optimizer gets the dtype named, and the reason given is the one report() prints.
+    # products (torch's AVX512-BF16 and AMX probes, faked here), float32 elsewhere; a setting is taken as it is,
+    # and bf16 asked of a CPU without the units says so. The optimizer gets the dtype named, and the reason given
+    # is the one report() prints.
     monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: bf16_units)
     monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
     name, why = train.muon_ns_dtype(setting, device)
-    assert name == want and (why == 'as configured') == (setting != 'auto')
+    assert name == want and why.startswith('as configured') == (setting != 'auto')
+    assert ('emulated' in why) == (setting == 'bfloat16' and device == 'cpu' and not bf16_units), why
     muon = train.configure_optimizer(tiny_model(), opt_cfg(optimizer='muon', muon_dtype=setting), device).optimizers[0]
     assert muon.ns_dtype == getattr(torch, want)
 
@@ -980,6 +982,24 @@ def test_newton_schulz_batched_equals_one_by_one():
 SPEEDRUN_FLAGS = ['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.5', '--mlp=relu2',
                   '--logit_softcap=10', '--zero_init_proj=True', '--tie_embeddings=False', '--qk_norm=True',
                   '--x0_mix=True', '--n_layer=2', '--eval_iters=0', '--short_block_size=4', '--short_block_iters=6']
+
+
+@pytest.mark.parametrize('bf16_units', [True, False])
+def test_resume_of_a_checkpoint_from_before_muon_dtype_says_what_changes(tmp_path, monkeypatch, bf16_units):
+    # Reference: what the code before muon_dtype did, Newton-Schulz in float32 off CUDA. A checkpoint without the
+    # key (as those runs wrote) resumed with 'auto' on a CPU with bf16 units (faked) runs it in bf16 from then on:
+    # the resume must list that among the changed settings; on a CPU without them nothing changes, and it must not.
+    monkeypatch.setattr(train, 'cpu_has_bf16', lambda: bf16_units)
+    data_dir = write_data(tmp_path / 'data')
+    out = tmp_path / 'out'
+    common = ['--optimizer=muon', '--eval_interval=2']
+    assert main_capture(args(data_dir, out, *common, '--max_iters=2'))[0] == 0
+    ckpt = load(out / 'ckpt.pt')
+    del ckpt['config']['muon_dtype']
+    torch.save(ckpt, out / 'ckpt.pt')
+    code, stdout = main_capture(args(data_dir, out, *common, '--max_iters=4', '--init_from=resume'))
+    assert code == 0 and 'resuming from' in stdout
+    assert ("muon_dtype: 'float32' -> 'auto'" in stdout) == bf16_units, stdout
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])

@@ -185,9 +185,7 @@ def pick_dtype(name, device_type):
             return 'bfloat16', f'this {"GPU supports bf16" if cuda_bf16 else "CPU has " + CPU_BF16}'
         return 'float32', f'no native bf16 on this {device_type}: float32'
     if name != 'auto':
-        slow = name == 'bfloat16' and device_type == 'cpu' and not cpu_has_bf16()
-        return name, 'as configured' + ('; this CPU has no bf16 dot products: emulated, slower than float32'
-                                         if slow else '')
+        return name, 'as configured' + emulated_note(name, device_type)
     if device_type == 'cuda':
         if cuda_bf16:
             return 'bfloat16', 'this GPU supports bf16'
@@ -198,9 +196,16 @@ def pick_dtype(name, device_type):
 CPU_BF16 = 'bf16 dot products: AVX512-BF16 or AMX'
 
 
+def emulated_note(name, device_type):
+    """What a reason adds when bf16 is asked of a CPU without bf16 units."""
+    slow = name == 'bfloat16' and device_type == 'cpu' and not cpu_has_bf16()
+    return '; this CPU has no bf16 dot products: emulated, slower than float32' if slow else ''
+
+
 def cpu_has_bf16():
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). There a small model's bf16 matmuls run
-    about 2x float32's speed; elsewhere they are emulated: 1.5x (AVX-512) to 8x (AVX2) slower than float32.
+    about 2x float32's speed; elsewhere they are emulated: a training step under bf16 autocast ran 1.5x
+    (AVX-512) to 8x (AVX2) slower than in float32, Newton-Schulz about 10x.
     NOTE: torch's only probes are private helpers; a missing one counts as no."""
     return any(getattr(torch.cpu, f, lambda: False)() for f in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'))
 
@@ -412,13 +417,14 @@ class Muon(torch.optim.Optimizer):
       for a gated MLP) is orthogonalized and scaled part by part, as if each part were a matrix of its own,
       as modded-nanogpt does with separate matrices;
     - cost on small matrices: all matrices (or parts) of one shape go through Newton-Schulz together, as
-      batched matmuls, in ns_dtype: bf16 as torch where the device has bf16 units (muon_ns_dtype); a CPU
-      without them runs bf16 Newton-Schulz about 10x slower than float32, one with them about 2x faster.
+      batched matmuls, in ns_dtype (None: bf16 on CUDA as torch, float32 elsewhere; train.py passes
+      muon_ns_dtype's choice): a CPU with bf16 units runs it about 2x faster in bf16, one without them
+      about 10x slower (emulated).
     The state is torch's ('momentum_buffer' per matrix; the groups' settings are the constructor's, which
     train.py's resume keeps), so the momentum of either optimizer's checkpoint loads into the other.
     """
 
-    def __init__(self, params, lr, weight_decay, momentum=0.95, ns_steps=5, parts=None, ns_dtype=torch.float32):
+    def __init__(self, params, lr, weight_decay, momentum=0.95, ns_steps=5, parts=None, ns_dtype=None):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
         self.parts, self.ns_dtype = parts or {}, ns_dtype
 
@@ -444,7 +450,8 @@ class Muon(torch.optim.Optimizer):
                 for rows, part in zip(p.split(sizes), update.split(sizes)):
                     jobs[part.shape, p.device].append((rows, part))
             for (shape, device), parts in jobs.items():
-                ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], self.ns_dtype)
+                dtype = self.ns_dtype or (torch.bfloat16 if device.type == 'cuda' else torch.float32)
+                ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], dtype)
                 for (rows, _), o in zip(parts, ortho):
                     rows.add_(o.to(rows.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
         return loss
@@ -466,11 +473,11 @@ def newton_schulz(G, steps, dtype=torch.float32):
 
 
 def muon_ns_dtype(setting, device_type):
-    """The name of Muon's Newton-Schulz dtype for muon_dtype=setting, and why. bf16 where the device multiplies
-    it natively: CUDA (as torch.optim.Muon), and CPUs with AVX512-BF16 or AMX (2x float32's speed on the small
-    batched matmuls of a CPU-sized model); float32 elsewhere, where bf16 matmuls are emulated, about 10x slower."""
+    """The name of Muon's Newton-Schulz dtype for muon_dtype=setting, and why. 'auto': bf16 on CUDA (as
+    torch.optim.Muon) and on CPUs with AVX512-BF16 or AMX (2x float32's speed on the small batched matmuls of a
+    CPU-sized model); float32 elsewhere, where bf16 matmuls are emulated, about 10x slower."""
     if setting != 'auto':  # check_config allows 'float32' and 'bfloat16'
-        dtype, why = setting, 'as configured'
+        dtype, why = setting, 'as configured' + emulated_note(setting, device_type)
     elif device_type == 'cuda':
         dtype, why = 'bfloat16', 'as torch.optim.Muon on CUDA'
     elif device_type == 'cpu' and cpu_has_bf16():
@@ -1069,8 +1076,13 @@ def start_or_resume(r):
     if shape_diff:
         raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
                          + "\n".join(shape_diff) + "\nresume with the config the run started with")
-    # a setting that the checkpoint's version lacked had its default's behaviour then
-    changed = config_diff({**DEFAULTS, **ckpt['config']}, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
+    # a setting that the checkpoint's version lacked had its default's behaviour then, except muon_dtype: before
+    # it, Newton-Schulz ran in bf16 on CUDA and in float32 elsewhere, which 'auto' changes on a CPU with bf16 units
+    saved = {**DEFAULTS, **ckpt['config']}
+    before = 'bfloat16' if r.device_type == 'cuda' else 'float32'
+    if 'muon_dtype' not in ckpt['config'] and muon_ns_dtype(cfg.muon_dtype, r.device_type)[0] != before:
+        saved['muon_dtype'] = before
+    changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
     set_model_state_dict(r.model, ckpt['model'], options=FULL_STATE)
@@ -1359,7 +1371,9 @@ def report(r):
     say(f"  device            {r.device}")
     say(f"  precision         {r.dtype} ({r.dtype_reason})" + (', GradScaler on' if r.scaler.is_enabled() else ''))
     say(f"  TF32 matmuls      {'on' if cuda else 'off (CUDA only)'}")
-    say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA)")
+    say("  attention         F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA"
+        + ('; float32 under CPU autocast: model.attend' if r.device_type == 'cpu' and r.dtype != 'float32' else '')
+        + ")")
     fused = any(getattr(opt, 'defaults', {}).get('fused') for opt in optimizers(r.optimizer))
     say(f"  optimizer         {cfg.optimizer}" + (', fused AdamW' if fused else '')
         + (', stepped on the CPU (torchao)' if cfg.optimizer_offload else '')
