@@ -13,6 +13,7 @@ time. Steps, optimizer and data are train.py's.
     python bench.py --rungs=8,12 --fp8_recipe=rowwise   # the FP8 rung with rowwise scaling (default tensorwise)
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
     python bench.py --mode=profile                   # out/profile.md: where the compiled 124M step spends its time
+    python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
 
 The ladder:
   1 fp32 eager       float32, SDPA's unfused math kernel (SDPBackend.MATH), separate q/k/v projections
@@ -83,6 +84,11 @@ DEFAULTS = dict(
     repeats=3,              # timings of `steps` optimizer steps, of which the median counts
     n_kv_head=0,            # 0: n_head
     fp8_recipe='tensorwise',  # the FP8 rung's scaling, as train.py's: 'tensorwise' or 'rowwise'
+    # variants of the top rungs, to measure one change at a time (each recorded in bench.json's meta):
+    compile_mode='default',  # the compile rung's torch.compile mode: 'default', 'reduce-overhead' (CUDA graphs),
+                             # 'max-autotune' or 'max-autotune-no-cudagraphs'
+    sdpa_backend='auto',     # rungs 4 on: 'auto' (SDPA picks), or only 'cudnn', 'flash' or 'efficient'
+    loss_chunk_tokens=-1,    # the chunked-loss rungs: -1 model.py's chunk size; 0 the plain loss there too
     gradient_accumulation_steps=0,                                            # 0: the preset's
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
@@ -99,6 +105,8 @@ PRESETS = {  # shape, batch and timing (warmup and steps in optimizer steps)
     # FLOPs count about 0.9 s on an H100 at 50% MFU, many times that in the fp32 rungs; so 1 + 3 x 1 per rung
     'gpt2': dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=16,
                  gradient_accumulation_steps=32, warmup=1, steps=1)}
+SDPA_BACKENDS = {'auto': None, 'cudnn': SDPBackend.CUDNN_ATTENTION, 'flash': SDPBackend.FLASH_ATTENTION,
+                 'efficient': SDPBackend.EFFICIENT_ATTENTION}
 SHAPE = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size', 'block_size')
 
 
@@ -253,7 +261,8 @@ def run_rung(s, env, timed=nullcontext):
         for block in model.blocks:
             block.attn = SeparateQKVAttention(block.attn)
     model.activation_checkpointing = s['checkpointing']
-    model.loss_chunk_tokens = model.loss_chunk_tokens if s['chunked_loss'] else 0  # 0: the plain loss
+    if not s['chunked_loss'] or env.loss_chunk_tokens >= 0:  # 0: the plain loss
+        model.loss_chunk_tokens = env.loss_chunk_tokens if s['chunked_loss'] else 0
     cfg = SimpleNamespace(**{**train.DEFAULTS, **{k: v for k, v in vars(env).items() if k in train.DEFAULTS},
                              'optimizer': s['optimizer'], 'fp8': s['fp8'], 'compile': s['compile'],
                              'activation_checkpointing': s['checkpointing'], 'dtype': s['dtype']})
@@ -265,13 +274,15 @@ def run_rung(s, env, timed=nullcontext):
                                               fused=s['fused_adamw'] and env.device_type == 'cuda')
     except train.TrainError as e:  # no bitsandbytes, no torchao, ...: the rung is skipped
         raise BenchError(str(e)) from None
-    net = torch.compile(model) if s['compile'] else model
+    mode = None if env.compile_mode == 'default' else env.compile_mode
+    net = torch.compile(model, mode=mode) if s['compile'] else model
     batches = train.Batches(env.tokens, env.batch_size, env.block_size, env.device, env.seed,
                             env.gradient_accumulation_steps)
     step = lambda: train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps,  # noqa: E731
                                     autocast, cfg.grad_clip)
     times = []
-    with sdpa_kernel([SDPBackend.MATH]) if s['attention'] == 'math' else nullcontext():
+    backend = SDPBackend.MATH if s['attention'] == 'math' else SDPA_BACKENDS[env.sdpa_backend]
+    with sdpa_kernel([backend]) if backend else nullcontext():
         for _ in range(env.warmup):  # compiles, allocates the optimizer state, warms the caches
             step()
         if env.device_type == 'cuda':
@@ -345,6 +356,12 @@ def ladder(env):
 # ----------------------------------------------------------------------------------------------------
 # report: markdown and chart (the JSON is the rows themselves)
 
+def variants_line(meta):
+    v = meta['variants']
+    return (f"- variants: compile mode {v['compile_mode']}, SDPA backend {v['sdpa_backend']}, loss chunk " +
+            (f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)"))
+
+
 def markdown(rows, meta):
     shape = ', '.join(f"{k}={meta['model'][k]}" for k in SHAPE)
     lines = ["# bench.py: ablation ladder", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
@@ -353,7 +370,7 @@ def markdown(rows, meta):
              f"- step (iter): one optimizer step of {meta['batch_size']} x {meta['block_size']} tokens x "
              f"{meta['gradient_accumulation_steps']} micro-batches = {meta['tokens_per_iter']:,} tokens; "
              f"{meta['step_note']}",
-             f"- data: {meta['data']}",
+             f"- data: {meta['data']}", variants_line(meta),
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
              f"peak memory: {meta['memory']}; vs prev: over the rung it builds on; loss: after the timed steps",
              "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
@@ -555,7 +572,8 @@ def profile(env):
              f"- device: {meta['device']}; torch {meta['torch']}", f"- model: {meta['params'] / 1e6:.2f}M parameters; "
              f"{meta['tokens_per_iter']:,} tokens per step ({meta['batch_size']} x {meta['block_size']} x "
              f"{meta['gradient_accumulation_steps']})", f"- rung: {precision(s, env.fp8_recipe)}; " + ', '.join(
-                 k for k, v in s.items() if v is True), f"- profiled: {env.steps} step(s) after {env.warmup} warm-up "
+                 k for k, v in s.items() if v is True), variants_line(meta),
+             f"- profiled: {env.steps} step(s) after {env.warmup} warm-up "
              f"step(s): {wall_ms:,.1f} ms wall, {row['tokens_per_sec']:,.0f} tokens/s" + (
                  f", MFU {row['mfu']:.1%}" if row['mfu'] else ''), '',
              '| kind | time (ms) | share |', '|---|---:|---:|']
@@ -602,7 +620,9 @@ def setup(argv):
     """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
     a = configure(DEFAULTS, argv)
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
-               'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': ('tensorwise', 'rowwise')}
+               'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': ('tensorwise', 'rowwise'),
+               'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
+               'sdpa_backend': tuple(SDPA_BACKENDS)}
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -624,6 +644,8 @@ def setup(argv):
     for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats'):
         if a[key] < 1:  # warmup too: torch.compile compiles in the first step
             raise ConfigError(f"{key}={a[key]} must be at least 1")
+    if a['loss_chunk_tokens'] < -1:
+        raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
     env = SimpleNamespace(**a, device_type=device_type, config=GPTConfig(**{k: a[k] for k in SHAPE}))
     env.mixed, env.mixed_reason = train.pick_dtype(a['dtype'], device_type)
     try:
@@ -644,6 +666,9 @@ def setup(argv):
                     tokens_per_iter=env.batch_size * env.block_size * env.gradient_accumulation_steps,
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
+                    variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend,
+                                  loss_chunk_tokens=env.loss_chunk_tokens if env.loss_chunk_tokens >= 0 else
+                                  model.loss_chunk_tokens),
                     memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
                     else f'n/a on {device_type}')
     return env

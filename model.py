@@ -328,10 +328,16 @@ def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0):
     logits = softcap(F.linear(x, weight), cap)  # (N, V), in the autocast dtype
     logp = logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 or fp64
     eps, V = label_smoothing, logp.size(-1)  # the target distribution: 1 - eps on the target, eps / V everywhere
-    loss = -((1 - eps) * logp.gather(1, targets[:, None]).sum() + eps / V * logp.sum())
+    loss = -(1 - eps) * logp.gather(1, targets[:, None]).sum()
+    if eps:  # (a whole pass over the logits: skipped without label smoothing)
+        loss = loss - eps / V * logp.sum()
     grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
     grad -= eps / V
-    grad[torch.arange(len(targets), device=grad.device), targets] -= 1 - eps
+    if torch.compiler.is_compiling():  # as a select, which inductor fuses with the exp and the cast to the autocast
+        # dtype: one pass writes the bf16 gradient; the indexed update would make it write the fp32 one first
+        grad = torch.where(torch.arange(V, device=grad.device) == targets[:, None], grad - (1 - eps), grad)
+    else:  # eager: in place, on the targets alone
+        grad[torch.arange(len(targets), device=grad.device), targets] -= 1 - eps
     if cap:  # d(cap tanh(z / cap))/dz = 1 - tanh^2, and tanh = the capped logits / cap
         grad *= 1 - (logits.to(grad.dtype) / cap).square()
     return loss, grad.to(logits.dtype)

@@ -34,7 +34,7 @@ ROW_KEYS = {'rung', 'name', 'precision', 'settings', 'status', 'reason', 'builds
             'speedup_vs_baseline', 'speedup_vs_prev'}
 META_KEYS = {'command', 'date', 'device', 'torch', 'model', 'params', 'batch_size', 'block_size',
              'gradient_accumulation_steps', 'tokens_per_iter', 'step_note', 'warmup', 'steps', 'repeats', 'data',
-             'rungs'}
+             'rungs', 'variants'}
 
 
 def run_ladder(out, *flags):
@@ -242,6 +242,42 @@ def test_separate_qkv_attention_matches_fused(n_kv_head, qk_norm):
     (y_separate ** 2).sum().backward()
     grads = torch.cat([separate.q.weight.grad, separate.k.weight.grad, separate.v.weight.grad])
     torch.testing.assert_close(grads, fused.qkv.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize('chunk', [16, 0, -1])
+def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
+    # Reference: what each rung asks of SDPA, torch.compile and the loss, recorded as it runs: --sdpa_backend on
+    # the rungs from 4 on (the math kernel before them), --compile_mode on the compile rung, --loss_chunk_tokens
+    # on the chunked-loss rungs only (0: the plain loss there too; -1: model.py's size, 2^19 at 128 tokens).
+    import model as model_module
+    seen, real_kernel, real_apply = [], bench.sdpa_kernel, model_module.ChunkedCrossEntropy.apply
+    real_run_rung = bench.run_rung
+
+    def run_rung(s, env, **kwargs):
+        seen.append(('rung', s['chunked_loss'], s['compile']))
+        return real_run_rung(s, env, **kwargs)
+
+    def apply(*args):
+        seen.append(('chunk', args[4]))
+        return real_apply(*args)
+    monkeypatch.setattr(bench, 'run_rung', run_rung)
+    monkeypatch.setattr(bench, 'sdpa_kernel', lambda kernels: seen.append(('sdpa', *kernels)) or real_kernel(kernels))
+    monkeypatch.setattr(torch, 'compile', lambda m, mode=None: seen.append(('compile', mode)) or m)
+    monkeypatch.setattr(model_module.ChunkedCrossEntropy, 'apply', apply)
+    flags = ['--rungs=1,4,7,8', '--compile=True', '--sdpa_backend=flash', '--compile_mode=max-autotune',
+             f'--loss_chunk_tokens={chunk}']
+    report = run_ladder(tmp_path, *flags)
+    assert [r['status'] for r in report['rungs'] if r['rung'] in (1, 4, 7, 8)] == ['ok'] * 4
+    math, flash = ('sdpa', torch.nn.attention.SDPBackend.MATH), ('sdpa', torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    size = 2 ** 19 if chunk < 0 else chunk
+    loss = [('chunk', size)] if size else []
+    steps = [e for i, e in enumerate(seen) if i == 0 or e != seen[i - 1]]  # one entry for a run of equal ones
+    assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *loss,
+                     ('rung', True, True), ('compile', 'max-autotune'), flash, *loss]
+    assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', loss_chunk_tokens=size)
+    md = open(tmp_path / 'bench.md').read()
+    assert '- variants: compile mode max-autotune, SDPA backend flash, loss chunk ' + (
+        f'{size:,} tokens' if size else '0 (the plain loss)') in md
 
 
 def test_largest_batch_doubles_then_bisects():

@@ -913,6 +913,22 @@ def test_chunked_loss_compiles_to_the_same_loss_and_gradients():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize('label_smoothing, cap', [(0.0, 0.0), (0.1, 0.0), (0.1, 3.0)])
+def test_chunk_gradient_takes_the_same_values_in_its_compiled_form(monkeypatch, label_smoothing, cap):
+    # Reference: the eager form (an indexed update of the targets' entries), in float64. The form torch.compile
+    # traces (a select over the whole chunk, which inductor fuses) gives the same loss and gradient, bit for bit.
+    from model import cross_entropy_chunk
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(10, 8, generator=g, dtype=torch.float64), torch.randn(40, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 40, (10,), generator=g)
+    want_loss, want = cross_entropy_chunk(x, w, y, label_smoothing, cap)
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+    loss, grad = cross_entropy_chunk(x, w, y, label_smoothing, cap)
+    assert torch.equal(loss, want_loss) and torch.equal(grad, want)
+    assert (want[torch.arange(10), y] < 0).all()  # softmax minus the target distribution, times 1 - tanh^2 with a cap
+    assert cap or (want.sum(1).abs() < 1e-12).all()  # without the cap, each row sums to 0
+
+
 def test_loss_chunk_size_keeps_a_chunk_of_logits_small():
     # Reference: the sizes: a power of two of tokens whose logits fit in LOSS_CHUNK_LOGITS (256 MB in fp32).
     def chunk(vocab_size):
