@@ -148,11 +148,14 @@ class FakeCudaRng:
         self.count, self.current = count, current
         self.states = [torch.full((16,), 10 * salt + i + 1, dtype=torch.uint8) for i in range(count)]
         for name in ('is_available', 'device_count', 'current_device', 'get_rng_state', 'set_rng_state',
-                     'get_rng_state_all', 'set_rng_state_all'):
+                     'get_rng_state_all', 'set_rng_state_all', 'is_current_stream_capturing'):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def is_available(self):
         return True
+
+    def is_current_stream_capturing(self):  # asked by torch's optimizers once CUDA is available; a CUDA build of
+        return False                        # torch on a machine without a driver would fail asking the real one
 
     def device_count(self):
         return self.count

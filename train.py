@@ -135,7 +135,8 @@ device = 'auto'                 # 'auto' (cuda, then mps, then cpu), 'cpu', 'cud
 dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16 uses a GradScaler), or
                                 # 'bfloat16_if_native': bf16 where the device multiplies it natively, else float32
 compile = False                 # torch.compile the model
-compile_mode = 'default'        # 'default', 'reduce-overhead' or 'max-autotune'
+compile_mode = 'default'        # 'default', 'reduce-overhead' (CUDA graphs), 'max-autotune' or
+                                # 'max-autotune-no-cudagraphs' (GEMM and kernel autotuning, minutes of compile)
 activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
 fp8 = False                     # train the large linear layers in FP8 (torchao; CUDA capability >= 8.9)
 fp8_recipe = 'tensorwise'       # 'tensorwise' or 'rowwise' scaling
@@ -836,7 +837,8 @@ def stop_on_signals():
 
 CHOICES = {'init_from': ('scratch', 'resume', 'hf:PATH'), 'activation_checkpointing': ('none', 'full', 'selective'),
            'optimizer': ('adamw', 'adamw8bit', 'paged_adamw8bit', 'muon'), 'fp8_recipe': ('tensorwise', 'rowwise'),
-           'compile_mode': ('default', 'reduce-overhead', 'max-autotune'), 'parallelism': ('ddp', 'fsdp'),
+           'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
+           'parallelism': ('ddp', 'fsdp'),
            'dtype': ('auto', 'float32', 'bfloat16', 'float16', 'bfloat16_if_native'),
            'lr_schedule': ('cosine', 'wsd'), 'mlp': ('swiglu', 'geglu', 'gelu', 'relu2'),
            'muon_dtype': ('auto', 'float32', 'bfloat16')}
