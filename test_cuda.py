@@ -9,16 +9,17 @@ turning Dynamo's DDP graph splitting off; an out-of-memory error in the compile 
 with advice instead of falling back to eager; the peak FLOP/s of each GPU, by the name CUDA reports.
 Each is checked against a reference: the uninterrupted run, the state saved, datasheet figures.
 
-Part 2 needs a CUDA GPU (skipped without one): a small real model (4 layers x 256 wide, block 256) trained
-for 24 iterations in each branch (bf16 with fused AdamW, fp16 with a GradScaler, compile default and
-reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload, FP8 tensorwise and rowwise under
-compile, activation checkpointing full and selective under compile) and resumed from its iteration-12
-checkpoint: the loss falls, the resumed run repeats the uninterrupted one, compile made no graph break,
-peak memory is reported. Also: one process under torchrun matches the plain run, 2-process DDP with compile
-and activation checkpointing stays compiled, sample.py samples from an FP8-trained checkpoint. On one H100:
-63 passed in 144 s under `pytest -n 8` (pytest-xdist; the runs share the GPU), before the CPU-only offload
-test and the import of Dynamo's device interface above. It prints a summary table and,
-when $OUT is set, writes it to $OUT/test_cuda_summary.md (one file per xdist worker).
+Part 2 needs a CUDA GPU (skipped without one): a small real model (4 layers x 256 wide, block 256) trained for
+24 iterations in each branch (bf16 with fused AdamW, fp16 with a GradScaler, compile default and
+reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload and fused AdamW without clipping as its
+reference, FP8 tensorwise and rowwise under compile, activation checkpointing full and selective under
+compile) and resumed from its iteration-12 checkpoint: the loss falls, the resumed run repeats the
+uninterrupted one, compile made no graph break, peak memory is reported. Also: one process under torchrun
+matches the plain run, 2-process DDP with compile and activation checkpointing stays compiled, sample.py
+samples from an FP8-trained checkpoint. On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
+runs share the GPU), before the CPU-only offload test and the import of Dynamo's device interface above. It
+prints a summary table and, when $OUT is set, writes it to $OUT/test_cuda_summary.md (one file per xdist
+worker).
 
     python -m pytest -q test_cuda.py            # or -n 8, with pytest-xdist
 """
@@ -592,6 +593,7 @@ BRANCHES = {  # name: (flags, modules it needs, what the start-up report must sa
     'muon': (SMALL + ['--optimizer=muon'], (), []),
     'optimizer_offload': (SMALL + ['--optimizer_offload=True', '--grad_clip=0'], ('torchao',),
                           ['stepped on the CPU (torchao)']),
+    'bf16 + fused AdamW, grad_clip=0': (SMALL + ['--grad_clip=0'], (), ['fused AdamW']),  # offload's reference
     'fp8 tensorwise + compile': (WIDE + ['--fp8=True', '--fp8_recipe=tensorwise', '--compile=True',
                                          '--learning_rate=1e-3'], ('torchao',), ['fp8               tensorwise: ']),
     'fp8 rowwise + compile': (WIDE + ['--fp8=True', '--fp8_recipe=rowwise', '--compile=True', '--learning_rate=1e-3'],
