@@ -14,6 +14,7 @@ time. Steps, optimizer and data are train.py's.
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
     python bench.py --mode=profile                   # out/profile.md: where the compiled 124M step spends its time
     python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
+    python bench.py --rungs=8 --rope=halves --loss_chunk_tokens=0                # (variants: see DEFAULTS)
 
 The ladder:
   1 fp32 eager       float32, SDPA's unfused math kernel (SDPBackend.MATH), separate q/k/v projections
@@ -68,7 +69,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import model as model_module
 import train
 from configurator import ConfigError, configure
-from model import GPT, GPTConfig, apply_rotary, attend
+from model import GPT, GPTConfig, apply_rotary, attend, rotary_tables
 
 DEFAULTS = dict(
     mode='ladder',          # 'ladder'; 'fit': the largest micro-batch that fits in GPU memory; 'profile': the
@@ -84,11 +85,12 @@ DEFAULTS = dict(
     repeats=3,              # timings of `steps` optimizer steps, of which the median counts
     n_kv_head=0,            # 0: n_head
     fp8_recipe='tensorwise',  # the FP8 rung's scaling, as train.py's: 'tensorwise' or 'rowwise'
-    # variants of the top rungs, to measure one change at a time (each recorded in bench.json's meta):
-    compile_mode='default',  # the compile rung's torch.compile mode: 'default', 'reduce-overhead' (CUDA graphs),
-                             # 'max-autotune' or 'max-autotune-no-cudagraphs'
+    # variants, to measure one change at a time (recorded in bench.json's meta and fit.json's bench_variants):
+    compile_mode='default',  # the compiled rungs' (8 on) torch.compile mode: 'default', 'reduce-overhead' (CUDA
+                             # graphs), 'max-autotune' or 'max-autotune-no-cudagraphs'
     sdpa_backend='auto',     # rungs 4 on: 'auto' (SDPA picks), or only 'cudnn', 'flash' or 'efficient'
     loss_chunk_tokens=-1,    # the chunked-loss rungs: -1 model.py's chunk size; 0 the plain loss there too
+    rope='flip',             # every rung: 'flip' (model.apply_rotary) or 'halves' (rope_halves, the textbook form)
     gradient_accumulation_steps=0,                                            # 0: the preset's
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
@@ -140,6 +142,31 @@ class SeparateQKVAttention(nn.Module):
         y = attend(q, k, v, is_causal=True, enable_gqa=(H != Hkv), dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
         return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+def rope_halves(x, cos, sin):
+    """model.apply_rotary in the textbook form (--rope=halves): each head's two halves, four products, one cat,
+    where model.py multiplies whole heads by its tables and by a copy with the halves swapped (flip)."""
+    cos, sin = rotary_tables(cos, sin) if cos.dim() == 2 else (cos, sin)  # [cos, cos] and [-sin, sin]
+    half = x.size(-1) // 2
+    c, s = cos[..., :half].to(x.dtype), sin[..., half:].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@contextmanager
+def rope_variant(name):
+    """--rope=halves: rope_halves in place of apply_rotary, in model.py and here, for the duration ('flip': as is)."""
+    global apply_rotary
+    if name == 'flip':
+        yield
+        return
+    saved = model_module.apply_rotary, apply_rotary
+    model_module.apply_rotary = apply_rotary = rope_halves
+    try:
+        yield
+    finally:
+        model_module.apply_rotary, apply_rotary = saved
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -358,7 +385,8 @@ def ladder(env):
 
 def variants_line(meta):
     v = meta['variants']
-    return (f"- variants: compile mode {v['compile_mode']}, SDPA backend {v['sdpa_backend']}, loss chunk " +
+    return (f"- variants: compile mode {v['compile_mode']}, SDPA backend {v['sdpa_backend']}, RoPE {v['rope']}, "
+            "loss chunk " +
             (f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)"))
 
 
@@ -478,7 +506,8 @@ def fit(env):
     os.makedirs(env.out, exist_ok=True)
     with open(os.path.join(env.out, 'fit.json'), 'w') as f:
         keep = ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data')
-        record = dict({k: env.meta[k] for k in keep}, tokens_per_step=n * env.block_size, variants=variants)
+        record = dict({k: env.meta[k] for k in keep}, bench_variants=env.meta['variants'])
+        record.update(tokens_per_step=n * env.block_size, variants=variants)
         json.dump(record, f, indent=1)
     return 0
 
@@ -622,10 +651,12 @@ def setup(argv):
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
                'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': ('tensorwise', 'rowwise'),
                'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
-               'sdpa_backend': tuple(SDPA_BACKENDS)}
+               'sdpa_backend': tuple(SDPA_BACKENDS), 'rope': ('flip', 'halves')}
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
+    if a['mode'] == 'fit' and a['compile_mode'] != 'default':
+        raise ConfigError("--mode=fit runs eager (compile would recompile at every size): compile_mode does not apply")
     total = len(LADDER) + len(MEMORY)
     try:
         a['rungs'] = sorted({int(r) for r in str(a['rungs']).replace(' ', '').split(',') if r})
@@ -644,6 +675,8 @@ def setup(argv):
     for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats'):
         if a[key] < 1:  # warmup too: torch.compile compiles in the first step
             raise ConfigError(f"{key}={a[key]} must be at least 1")
+    if a['sdpa_backend'] in ('cudnn', 'efficient') and device_type != 'cuda':
+        raise ConfigError(f"sdpa_backend={a['sdpa_backend']!r} is a CUDA kernel; on {device_type}: 'auto' or 'flash'")
     if a['loss_chunk_tokens'] < -1:
         raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
     env = SimpleNamespace(**a, device_type=device_type, config=GPTConfig(**{k: a[k] for k in SHAPE}))
@@ -666,7 +699,7 @@ def setup(argv):
                     tokens_per_iter=env.batch_size * env.block_size * env.gradient_accumulation_steps,
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
-                    variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend,
+                    variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
                                   loss_chunk_tokens=env.loss_chunk_tokens if env.loss_chunk_tokens >= 0 else
                                   model.loss_chunk_tokens),
                     memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
@@ -676,10 +709,11 @@ def setup(argv):
 
 def main(argv):
     env = setup(argv)
-    if env.mode == 'fit':
-        return fit(env)
-    if env.mode == 'profile':
-        return profile(env)
+    with rope_variant(env.rope):
+        return {'ladder': run_ladder, 'fit': fit, 'profile': profile}[env.mode](env)
+
+
+def run_ladder(env):
     meta = env.meta
     print(f"bench: {meta['device']}, torch {meta['torch']}, preset {env.preset}, {meta['params'] / 1e6:.2f}M "
           f"params, {meta['tokens_per_iter']:,} tokens/iter; data: {meta['data']}", flush=True)

@@ -332,7 +332,8 @@ def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0):
     if eps:  # (a whole pass over the logits: skipped without label smoothing)
         loss = loss - eps / V * logp.sum()
     grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
-    grad -= eps / V
+    if eps:
+        grad -= eps / V
     if torch.compiler.is_compiling():  # as a select, which inductor fuses with the exp and the cast to the autocast
         # dtype: one pass writes the bf16 gradient; the indexed update would make it write the fp32 one first
         grad = torch.where(torch.arange(V, device=grad.device) == targets[:, None], grad - (1 - eps), grad)

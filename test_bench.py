@@ -264,9 +264,14 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     monkeypatch.setattr(bench, 'sdpa_kernel', lambda kernels: seen.append(('sdpa', *kernels)) or real_kernel(kernels))
     monkeypatch.setattr(torch, 'compile', lambda m, mode=None: seen.append(('compile', mode)) or m)
     monkeypatch.setattr(model_module.ChunkedCrossEntropy, 'apply', apply)
+    ropes, real_rope = [], bench.rope_halves
+    monkeypatch.setattr(bench, 'rope_halves', lambda *args: ropes.append(1) or real_rope(*args))
     flags = ['--rungs=1,4,7,8', '--compile=True', '--sdpa_backend=flash', '--compile_mode=max-autotune',
-             f'--loss_chunk_tokens={chunk}']
+             f'--loss_chunk_tokens={chunk}', '--rope=halves']
     report = run_ladder(tmp_path, *flags)
+    assert model_module.apply_rotary is bench.apply_rotary and bench.apply_rotary.__name__ == 'apply_rotary'  # again
+    # rung 1 (separate q, k, v) and rungs 4-8 alike: 2 layers x (q, k) x (1 warm-up + 3 x 2 timed steps + 1 counted)
+    assert len(ropes) == 4 * 2 * 2 * 8
     assert [r['status'] for r in report['rungs'] if r['rung'] in (1, 4, 7, 8)] == ['ok'] * 4
     math, flash = ('sdpa', torch.nn.attention.SDPBackend.MATH), ('sdpa', torch.nn.attention.SDPBackend.FLASH_ATTENTION)
     size = 2 ** 19 if chunk < 0 else chunk
@@ -274,10 +279,21 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     steps = [e for i, e in enumerate(seen) if i == 0 or e != seen[i - 1]]  # one entry for a run of equal ones
     assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *loss,
                      ('rung', True, True), ('compile', 'max-autotune'), flash, *loss]
-    assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', loss_chunk_tokens=size)
+    assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', rope='halves',
+                                      loss_chunk_tokens=size)
     md = open(tmp_path / 'bench.md').read()
-    assert '- variants: compile mode max-autotune, SDPA backend flash, loss chunk ' + (
+    assert '- variants: compile mode max-autotune, SDPA backend flash, RoPE halves, loss chunk ' + (
         f'{size:,} tokens' if size else '0 (the plain loss)') in md
+
+
+def test_rope_halves_rotates_as_model_py_does():
+    # Reference: model.apply_rotary, float64, from the (T, D/2) angles' cos and sin and from rotary_tables' tables
+    from model import apply_rotary, rotary_tables
+    x = torch.randn(2, 16, 3, 8, dtype=torch.float64)
+    cos, sin = (t.double() for t in rope_cache(16, 8, 10000.0))
+    want = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(bench.rope_halves(x, cos, sin), want, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(bench.rope_halves(x, *rotary_tables(cos, sin)), want, rtol=1e-14, atol=1e-14)
 
 
 def test_largest_batch_doubles_then_bisects():
@@ -318,6 +334,18 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
     assert variants[0]['failures'] == [{'batch_size': b, 'error': 'OutOfMemoryError: CUDA out of memory'}
                                        for b in (32, 24, 22, 21)]
     assert '--batch_size=32 --gradient_accumulation_steps=2' in capsys.readouterr().out
+    assert json.load(open(tmp_path / 'fit.json'))['bench_variants']['sdpa_backend'] == 'auto'
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--sdpa_backend=cudnn'], "sdpa_backend='cudnn' is a CUDA kernel; on cpu: 'auto' or 'flash'"),
+    (['--sdpa_backend=efficient'], "sdpa_backend='efficient' is a CUDA kernel"),
+    (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
+    (['--loss_chunk_tokens=-2'], "loss_chunk_tokens=-2: -1 (model.py's), 0 (the plain loss) or a size"),
+    (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'")])
+def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
+    with pytest.raises(bench.ConfigError, match=re.escape(message)):
+        bench.setup([*TINY, *flags])
 
 
 def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):

@@ -893,23 +893,31 @@ def test_chunked_loss_under_bf16_autocast_is_as_close_as_the_plain_loss():
         assert err <= 2 * plain_err + 1e-7 * want[name].norm(), (name, err, plain_err)
 
 
-def test_chunked_loss_compiles_to_the_same_loss_and_gradients():
+@pytest.mark.parametrize('label_smoothing, cap', [(0.1, 0.0), (0.0, 3.0)])
+def test_chunked_loss_compiles_to_the_same_loss_and_gradients(label_smoothing, cap):
     # Reference: the plain loss, eager. torch.compile traces the chunked loss (and full activation
-    # checkpointing, which it must compile too) to the same loss and gradients, and evaluates without them.
+    # checkpointing, which it must compile too) to the same loss and gradients, and evaluates without them;
+    # what it traces subtracts the targets as a select (torch.where: cross_entropy_chunk's compiled form).
     # The aot_eager backend runs what traces them (dynamo, AOTAutograd) without inductor's C++ build, which
     # takes minutes on a busy 2-core CPU; bench.py's compile rung runs inductor on the chunked loss.
-    model = tiny_model(tie_embeddings=False)
+    model = tiny_model(tie_embeddings=False, logit_softcap=cap)
     x, y = random_batch(0, 3, 16, 32)
-    want_loss, want = loss_and_grads(model, x, y, 0)
+    want_loss, want = loss_and_grads(model, x, y, 0, label_smoothing)
     model.activation_checkpointing = 'full'
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend='aot_eager')
-    loss, grads = loss_and_grads(model, x, y, 7, net=compiled)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.extend(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+        return torch._dynamo.lookup_backend('aot_eager')(gm, example_inputs)
+    compiled = torch.compile(model, backend=backend)
+    loss, grads = loss_and_grads(model, x, y, 7, label_smoothing, net=compiled)
+    assert any('torch.where' in code for code in graphs)
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     for name in want:
         torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x, y, label_smoothing=0.1)[1], want_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(compiled(x, y, label_smoothing=label_smoothing)[1], want_loss, rtol=1e-6, atol=0)
     torch._dynamo.reset()
 
 
