@@ -1,0 +1,115 @@
+"""
+Inductor's Triton kernels for one compiled training step of model.py (forward and backward), on a machine
+without a GPU: the code a GPU would run, to read, count and compare before a GPU is at hand. Needs a CUDA build
+of torch, which brings triton (the CPU build does not), e.g. in a virtualenv of its own:
+pip install torch==2.11.0 numpy.
+
+    python .ci/triton_code.py                        # one block of the 124M shape, 2 x 1024 tokens, bf16
+    python .ci/triton_code.py --n_layer=2 --rope=halves --out=/tmp/code
+
+How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the kernels as for a GPU, with
+triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do
+nothing), so the step's numbers mean nothing: only the code does. Where a GPU chooses otherwise, the code
+differs: attention here is the CPU's flash kernel (a fallback outside the generated code on any device), and
+the layout of its gradients can differ from cuDNN's.
+Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size.
+"""
+import os
+import re
+import shutil
+import sys
+
+import torch
+import torch._inductor.async_compile as async_compile
+import torch._inductor.config as inductor_config
+from torch._inductor.codecache import PyCodeCache
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as model_module  # noqa: E402
+from configurator import configure  # noqa: E402
+
+DEFAULTS = dict(n_layer=1, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=2,
+                dtype='bfloat16',  # autocast, as on a GPU; 'float32': none
+                rope='flip',       # 'halves': bench.rope_halves in place of model.apply_rotary
+                out='triton_code')
+
+
+def fake_h100_driver():
+    """triton's active driver, answering as an H100 without touching CUDA."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class Driver(CudaDriver):
+        def __init__(self):  # CudaDriver's would load libcuda
+            pass
+
+        def get_current_target(self):
+            return GPUTarget('cuda', 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        @staticmethod
+        def is_active():
+            return True
+    triton.runtime.driver.set_active(Driver())
+
+
+class NoKernel:
+    """Stands in for a compiled kernel: launching it does nothing."""
+
+    def run(self, *args, **kwargs):
+        pass
+
+
+def save_module(path):
+    """Copy the module inductor loaded last (its wrapper code, with every kernel's source) to path."""
+    latest = max((m.__file__ for m in PyCodeCache.modules), key=os.path.getmtime)
+    shutil.copy(latest, path)
+
+
+def kernels(path):
+    """(name, loads, stores, size hints) of each Triton kernel in a generated module."""
+    text = open(path).read()
+    found = []
+    for meta in re.finditer(r"size_hints=(\{[^}]*\}).*?inductor_meta=\{.*?'kernel_name': '(\w+)'.*?'num_load': (\d+), "
+                            r"'num_store': (\d+)", text, re.S):
+        hints, name, loads, stores = meta.groups()
+        found.append((name, int(loads), int(stores), hints))
+    return found
+
+
+def main(argv):
+    a = configure(DEFAULTS, argv)
+    fake_h100_driver()
+    inductor_config.cpu_backend = 'triton'
+    inductor_config.compile_threads = 1
+    async_compile.AsyncCompile.triton = lambda self, kernel_name, source_code, device_str='cuda': NoKernel()
+    if a['rope'] == 'halves':
+        import bench
+        model_module.apply_rotary = bench.rope_halves
+    config = model_module.GPTConfig(**{k: a[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')})
+    model = model_module.GPT(config)
+    x, y = (torch.randint(0, a['vocab_size'], (a['batch_size'], a['block_size'])) for _ in range(2))
+    os.makedirs(a['out'], exist_ok=True)
+    compiled = torch.compile(model)
+    with torch.autocast('cpu', torch.bfloat16, enabled=a['dtype'] == 'bfloat16'):
+        loss = compiled(x, y)[1]
+    save_module(os.path.join(a['out'], 'forward.py'))  # inductor's module for the forward, loaded by now
+    loss.backward()
+    save_module(os.path.join(a['out'], 'backward.py'))
+    for part in ('forward', 'backward'):
+        path = os.path.join(a['out'], f'{part}.py')
+        found = kernels(path) if os.path.exists(path) else []
+        print(f"{path}: {len(found)} Triton kernels")
+        for name, loads, stores, hints in found:
+            print(f"  {loads:2d} loads {stores:2d} stores  {hints:<32} {name}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))
