@@ -9,9 +9,10 @@ pip install torch==2.11.0 numpy.
 
 How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the kernels as for a GPU, with
 triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do
-nothing), so the step's numbers mean nothing: only the code does. Where a GPU chooses otherwise, the code
-differs: attention here is the CPU's flash kernel (a fallback outside the generated code on any device), and
-the layout of its gradients can differ from cuDNN's.
+nothing), so the step's numbers mean nothing: only the code does. model.py's CPU-only paths (RMSNorm's backward,
+attention in float32 under CPU autocast) are switched to what CUDA runs. Where a GPU chooses otherwise, the
+code differs: attention here is the CPU's flash kernel (outside the generated code on any device), whose
+outputs' layout can differ from cuDNN's.
 Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size.
 """
 import os
@@ -89,6 +90,9 @@ def main(argv):
     inductor_config.cpu_backend = 'triton'
     inductor_config.compile_threads = 1
     async_compile.AsyncCompile.triton = lambda self, kernel_name, source_code, device_str='cuda': NoKernel()
+    # what CUDA runs where model.py takes a path of its own on the CPU: torch's RMSNorm, SDPA in the autocast dtype
+    model_module.RMSNorm.forward = torch.nn.RMSNorm.forward
+    model_module.attend = torch.nn.functional.scaled_dot_product_attention
     if a['rope'] == 'halves':
         import bench
         model_module.apply_rotary = bench.rope_halves
