@@ -2,7 +2,8 @@
 Inductor's Triton kernels for one compiled training step of model.py (forward and backward), on a machine
 without a GPU: the code a GPU would run, to read, count and compare before a GPU is at hand. Needs a CUDA build
 of torch, which brings triton (the CPU build does not), e.g. in a virtualenv of its own:
-pip install torch==2.11.0 numpy.
+pip install torch==2.11.0 numpy (what it was written against: torch 2.11.0+cu130, triton 3.6.0; it reaches into
+both libraries' internals, which other versions may have moved).
 
     python .ci/triton_code.py                        # one block of the 124M shape, 2 x 1024 tokens, bf16
     python .ci/triton_code.py --n_layer=2 --rope=halves --out=/tmp/code
