@@ -321,16 +321,18 @@ def _selective_policy(ctx, op, *args, **kwargs):
 LOSS_CHUNK_LOGITS = 2 ** 26  # logits per chunk at most: 1024 tokens of GPT-2's vocabulary, 206 MB in fp32
 
 
-def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0):
+def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0, with_grad=True):
     """The summed cross-entropy of a chunk of tokens, x (N, C) against targets (N,), and its gradient with
-    respect to the chunk's logits (N, V). The one place where the loss meets the logits: soft-capping (cap > 0,
-    see softcap) is applied here, and its derivative, 1 - tanh^2, to the gradient."""
+    respect to the chunk's logits (N, V), or None without with_grad. The one place where the loss meets the
+    logits: soft-capping (cap > 0, see softcap) is applied here, and its derivative, 1 - tanh^2, to the gradient."""
     logits = softcap(F.linear(x, weight), cap)  # (N, V), in the autocast dtype
     logp = logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 or fp64
     eps, V = label_smoothing, logp.size(-1)  # the target distribution: 1 - eps on the target, eps / V everywhere
     loss = -(1 - eps) * logp.gather(1, targets[:, None]).sum()
     if eps:  # (a whole pass over the logits: skipped without label smoothing)
         loss = loss - eps / V * logp.sum()
+    if not with_grad:  # evaluation
+        return loss, None
     grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
     if eps:
         grad -= eps / V
@@ -360,7 +362,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if with_grad else None
         for i in range(0, len(x), chunk_tokens):
             x_c, y_c = x[i:i + chunk_tokens], targets[i:i + chunk_tokens]  # (n, C), (n,)
-            loss_c, grad_logits = cross_entropy_chunk(x_c, weight, y_c, label_smoothing, cap)  # (), (n, V)
+            loss_c, grad_logits = cross_entropy_chunk(x_c, weight, y_c, label_smoothing, cap, with_grad)  # (), (n, V)
             loss += loss_c
             if with_grad:
                 grad_x[i:i + chunk_tokens] = grad_logits @ weight  # (n, C)

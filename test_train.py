@@ -930,6 +930,8 @@ def test_chunk_gradient_takes_the_same_values_in_its_compiled_form(monkeypatch, 
     x, w = torch.randn(10, 8, generator=g, dtype=torch.float64), torch.randn(40, 8, generator=g, dtype=torch.float64)
     y = torch.randint(0, 40, (10,), generator=g)
     want_loss, want = cross_entropy_chunk(x, w, y, label_smoothing, cap)
+    loss, grad = cross_entropy_chunk(x, w, y, label_smoothing, cap, with_grad=False)  # evaluation: the loss alone
+    assert torch.equal(loss, want_loss) and grad is None
     monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
     loss, grad = cross_entropy_chunk(x, w, y, label_smoothing, cap)
     assert torch.equal(loss, want_loss) and torch.equal(grad, want)
