@@ -288,8 +288,7 @@ def run_rung(s, env, timed=nullcontext):
         for block in model.blocks:
             block.attn = SeparateQKVAttention(block.attn)
     model.activation_checkpointing = s['checkpointing']
-    if not s['chunked_loss'] or env.loss_chunk_tokens >= 0:  # 0: the plain loss
-        model.loss_chunk_tokens = env.loss_chunk_tokens if s['chunked_loss'] else 0
+    model.loss_chunk_tokens = env.loss_chunk_tokens if s['chunked_loss'] else 0  # 0: the plain loss
     cfg = SimpleNamespace(**{**train.DEFAULTS, **{k: v for k, v in vars(env).items() if k in train.DEFAULTS},
                              'optimizer': s['optimizer'], 'fp8': s['fp8'], 'compile': s['compile'],
                              'activation_checkpointing': s['checkpointing'], 'dtype': s['dtype']})
@@ -649,9 +648,9 @@ def setup(argv):
     """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
     a = configure(DEFAULTS, argv)
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
-               'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': ('tensorwise', 'rowwise'),
-               'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
-               'sdpa_backend': tuple(SDPA_BACKENDS), 'rope': ('flip', 'halves')}
+               'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': train.CHOICES['fp8_recipe'],
+               'compile_mode': train.CHOICES['compile_mode'], 'sdpa_backend': tuple(SDPA_BACKENDS),
+               'rope': ('flip', 'halves')}
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -691,6 +690,8 @@ def setup(argv):
     torch.manual_seed(env.seed)
     model = GPT(env.config)
     env.state = model.state_dict()  # on the CPU, copied into every rung's model
+    if env.loss_chunk_tokens < 0:  # model.py's size for this shape
+        env.loss_chunk_tokens = model.loss_chunk_tokens
     env.meta = dict(command=' '.join(['python bench.py', *map(shlex.quote, argv)]),
                     date=time.strftime('%Y-%m-%d %H:%M %Z'), device=device_name(device_type, env.device),
                     device_type=device_type, torch=torch.__version__, preset=env.preset, model=env.config.to_dict(),
@@ -700,8 +701,7 @@ def setup(argv):
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
                     variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
-                                  loss_chunk_tokens=env.loss_chunk_tokens if env.loss_chunk_tokens >= 0 else
-                                  model.loss_chunk_tokens),
+                                  loss_chunk_tokens=env.loss_chunk_tokens),
                     memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
                     else f'n/a on {device_type}')
     return env

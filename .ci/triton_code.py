@@ -109,7 +109,7 @@ def main(argv):
     save_module(os.path.join(a['out'], 'backward.py'))
     for part in ('forward', 'backward'):
         path = os.path.join(a['out'], f'{part}.py')
-        found = kernels(path) if os.path.exists(path) else []
+        found = kernels(path)
         print(f"{path}: {len(found)} Triton kernels")
         for name, loads, stores, hints in found:
             print(f"  {loads:2d} loads {stores:2d} stores  {hints:<32} {name}")
