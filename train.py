@@ -451,7 +451,7 @@ class Muon(torch.optim.Optimizer):
                 for rows, part in zip(p.split(sizes), update.split(sizes)):
                     jobs[part.shape, p.device].append((rows, part))
             for (shape, device), parts in jobs.items():
-                dtype = self.ns_dtype or (torch.bfloat16 if device.type == 'cuda' else torch.float32)
+                dtype = self.ns_dtype or getattr(torch, torch_ns_dtype(device.type))
                 ortho = newton_schulz(torch.stack([part for _, part in parts]), group['ns_steps'], dtype)
                 for (rows, _), o in zip(parts, ortho):
                     rows.add_(o.to(rows.dtype), alpha=-lr * 0.2 * math.sqrt(max(shape)))
@@ -471,6 +471,12 @@ def newton_schulz(G, steps, dtype=torch.float32):
         A = X @ X.mT
         X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)  # a X + (b A + c A^2) X
     return X.mT if tall else X
+
+
+def torch_ns_dtype(device_type):
+    """Newton-Schulz's dtype by torch.optim.Muon's rule: bf16 on CUDA, float32 elsewhere. Muon's own without
+    ns_dtype, and every run's before muon_dtype existed."""
+    return 'bfloat16' if device_type == 'cuda' else 'float32'
 
 
 def muon_ns_dtype(setting, device_type):
@@ -1081,7 +1087,7 @@ def start_or_resume(r):
     # a setting that the checkpoint's version lacked had its default's behaviour then, except muon_dtype: before
     # it, Newton-Schulz ran in bf16 on CUDA and in float32 elsewhere, which 'auto' changes on a CPU with bf16 units
     saved = {**DEFAULTS, **ckpt['config']}
-    before = 'bfloat16' if r.device_type == 'cuda' else 'float32'
+    before = torch_ns_dtype(r.device_type)
     if 'muon_dtype' not in ckpt['config'] and muon_ns_dtype(cfg.muon_dtype, r.device_type)[0] != before:
         saved['muon_dtype'] = before
     changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
