@@ -15,6 +15,7 @@ time. Steps, optimizer and data are train.py's.
     python bench.py --mode=profile                   # out/profile.md: where the compiled 124M step spends its time
     python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
     python bench.py --rungs=8 --rope=halves --loss_chunk_tokens=0                # (variants: see DEFAULTS)
+    python bench.py --rungs=8 --stage_data=True      # the top rung without data loading: what loading costs
 
 The ladder:
   1 fp32 eager       float32, SDPA's unfused math kernel (SDPBackend.MATH), separate q/k/v projections
@@ -91,6 +92,8 @@ DEFAULTS = dict(
     sdpa_backend='auto',     # rungs 4 on: 'auto' (SDPA picks), or only 'cudnn', 'flash' or 'efficient'
     loss_chunk_tokens=-1,    # the chunked-loss rungs: -1 model.py's chunk size; 0 the plain loss there too
     rope='flip',             # every rung: 'flip' (model.apply_rotary) or 'halves' (rope_halves, the textbook form)
+    stage_data=False,        # True: a step's micro-batches loaded once and kept on the device (StagedBatches), so
+                             # the steps run without data loading; the difference to False is what loading costs
     gradient_accumulation_steps=0,                                            # 0: the preset's
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
@@ -167,6 +170,18 @@ def rope_variant(name):
         yield
     finally:
         model_module.apply_rotary, apply_rotary = saved
+
+
+class StagedBatches:
+    """--stage_data: the first `count` batches of a train.Batches (one optimizer step's), kept on the device and
+    served in turn, so that the timed steps read nothing from the token file and copy nothing to the device."""
+
+    def __init__(self, batches, count):
+        self.staged, self.served = [batches.next() for _ in range(count)], 0
+
+    def next(self):
+        self.served += 1
+        return self.staged[(self.served - 1) % len(self.staged)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,6 +319,8 @@ def run_rung(s, env, timed=nullcontext):
     net = torch.compile(model, mode=mode) if s['compile'] else model
     batches = train.Batches(env.tokens, env.batch_size, env.block_size, env.device, env.seed,
                             env.gradient_accumulation_steps)
+    if env.stage_data:
+        batches = StagedBatches(batches, env.gradient_accumulation_steps)
     step = lambda: train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps,  # noqa: E731
                                     autocast, cfg.grad_clip)
     times = []
@@ -386,7 +403,8 @@ def variants_line(meta):
     v = meta['variants']
     return (f"- variants: compile mode {v['compile_mode']}, SDPA backend {v['sdpa_backend']}, RoPE {v['rope']}, "
             "loss chunk " +
-            (f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)"))
+            (f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)") +
+            (", data staged on the device (no loading)" if v['stage_data'] else ", data loaded as train.py does"))
 
 
 def markdown(rows, meta):
@@ -701,7 +719,7 @@ def setup(argv):
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
                     variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
-                                  loss_chunk_tokens=env.loss_chunk_tokens),
+                                  loss_chunk_tokens=env.loss_chunk_tokens, stage_data=env.stage_data),
                     memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
                     else f'n/a on {device_type}')
     return env

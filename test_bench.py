@@ -2,9 +2,10 @@
 Tests for bench.py on the CPU, in seconds: the ladder's JSON on a tiny model; every rung that changes
 only speed ends at the fp32 baseline's loss, and that check does catch a rung that breaks the math; the
 separate-QKV attention of the first rungs against model.py's fused one; the batch search and the
-settings fit mode prints; fit mode's message on the CPU; the presets against the training configs and a
-timed step as one optimizer step of all its micro-batches; the activation memory count against sizes
-computed from the shapes (checkpointing full and selective per block, the logits the chunked loss drops).
+settings fit mode prints; fit mode's message on the CPU; the presets against the training configs, a
+timed step as one optimizer step of all its micro-batches, and staged data (one step's batches, read once);
+the activation memory count against sizes computed from the shapes (checkpointing full and selective per
+block, the logits the chunked loss drops).
 
     python -m pytest -q test_bench.py
 """
@@ -280,10 +281,33 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *loss,
                      ('rung', True, True), ('compile', 'max-autotune'), flash, *loss]
     assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', rope='halves',
-                                      loss_chunk_tokens=size)
+                                      loss_chunk_tokens=size, stage_data=False)
     md = open(tmp_path / 'bench.md').read()
     assert '- variants: compile mode max-autotune, SDPA backend flash, RoPE halves, loss chunk ' + (
-        f'{size:,} tokens' if size else '0 (the plain loss)') in md
+        f'{size:,} tokens' if size else '0 (the plain loss)') + ', data loaded as train.py does' in md
+
+
+@pytest.mark.parametrize('stage', [False, True])
+def test_staged_data_loads_one_step_of_batches_and_serves_it_in_turn(monkeypatch, stage):
+    # Reference: the token-file reads counted (train.Batches._prefetch) and the batches each forward gets.
+    # Staged: one read when Batches starts and one per micro-batch of one step, then each step gets those same
+    # micro-batches in the same order. Loaded: a read for every micro-batch, every one of them new.
+    env = bench.setup([*TINY, '--gradient_accumulation_steps=3', '--warmup=1', '--steps=2', '--repeats=2',
+                       f'--stage_data={stage}'])
+    assert env.meta['variants']['stage_data'] is stage
+    reads, inputs, real_prefetch, real_forward = [], [], train.Batches._prefetch, GPT.forward
+    monkeypatch.setattr(train.Batches, '_prefetch', lambda self: reads.append(1) or real_prefetch(self))
+    monkeypatch.setattr(GPT, 'forward', lambda self, idx, *a, **k: inputs.append(idx.clone()) or
+                        real_forward(self, idx, *a, **k))
+    bench.run_rung(bench.BASE, env)
+    micro = 3 * (1 + 2 * 2) + 1  # (warmup + repeats x steps) x 3 micro-batches, and the one that counts activations
+    assert len(inputs) == micro
+    distinct = len({tuple(x.flatten().tolist()) for x in inputs})
+    if stage:
+        assert len(reads) == 1 + 3 and distinct == 3
+        assert all(torch.equal(x, inputs[i % 3]) for i, x in enumerate(inputs))
+    else:
+        assert len(reads) == 1 + micro and distinct == micro
 
 
 def test_rope_halves_rotates_as_model_py_does():
