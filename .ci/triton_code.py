@@ -7,6 +7,7 @@ both libraries' internals, which other versions may have moved).
 
     python .ci/triton_code.py                        # one block of the 124M shape, 2 x 1024 tokens, bf16
     python .ci/triton_code.py --n_layer=2 --rope=halves --out=/tmp/code
+    python .ci/triton_code.py --n_layer=12 --batch_size=16 --loss_chunk_tokens=4096   # a whole 124M micro-step
 
 How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the kernels as for a GPU, with
 triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do
@@ -14,7 +15,9 @@ nothing), so the step's numbers mean nothing: only the code does. model.py's CPU
 attention in float32 under CPU autocast) are switched to what CUDA runs. Where a GPU chooses otherwise, the
 code differs: attention here is the CPU's flash kernel (outside the generated code on any device), whose
 outputs' layout can differ from cuDNN's.
-Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size.
+Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size,
+launches and the MB each launch moves by inductor's own estimate; then the micro-step's total, and the time it
+takes at the given bandwidth: a floor for the Triton kernels' time, not a measurement.
 """
 import os
 import re
@@ -33,6 +36,8 @@ from configurator import configure  # noqa: E402
 DEFAULTS = dict(n_layer=1, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=2,
                 dtype='bfloat16',  # autocast, as on a GPU; 'float32': none
                 rope='flip',       # 'halves': bench.rope_halves in place of model.apply_rotary
+                loss_chunk_tokens=-1,  # -1: model.py's chunk size; 0: the plain loss
+                bandwidth=3350,    # GB/s, for the time the bytes take: an H100 SXM's HBM3, by its datasheet
                 out='triton_code')
 
 
@@ -75,13 +80,16 @@ def save_module(path):
 
 
 def kernels(path):
-    """(name, loads, stores, size hints) of each Triton kernel in a generated module."""
+    """(name, loads, stores, size hints, MB moved, launches) of each Triton kernel in a generated module: the MB
+    are inductor's own estimate of the bytes one launch reads and writes (kernel_num_gb, with benchmark_kernel);
+    the launches are counted in the module's call code (the chunked loss's loop is unrolled there)."""
     text = open(path).read()
+    calls = text[text.rindex("device_str="):]  # the call code, after the last kernel's source
     found = []
     for meta in re.finditer(r"size_hints=(\{[^}]*\}).*?inductor_meta=\{.*?'kernel_name': '(\w+)'.*?'num_load': (\d+), "
-                            r"'num_store': (\d+)", text, re.S):
-        hints, name, loads, stores = meta.groups()
-        found.append((name, int(loads), int(stores), hints))
+                            r"'num_store': (\d+).*?'kernel_num_gb': ([0-9.e-]+)", text, re.S):
+        hints, name, loads, stores, gb = meta.groups()
+        found.append((name, int(loads), int(stores), hints, 1000 * float(gb), calls.count(f"{name}.run(")))
     return found
 
 
@@ -90,6 +98,7 @@ def main(argv):
     fake_h100_driver()
     inductor_config.cpu_backend = 'triton'
     inductor_config.compile_threads = 1
+    inductor_config.benchmark_kernel = True  # each kernel's source then carries kernel_num_gb
     async_compile.AsyncCompile.triton = lambda self, kernel_name, source_code, device_str='cuda': NoKernel()
     # what CUDA runs where model.py takes a path of its own on the CPU: torch's RMSNorm, SDPA in the autocast dtype
     model_module.RMSNorm.forward = torch.nn.RMSNorm.forward
@@ -99,6 +108,8 @@ def main(argv):
         model_module.apply_rotary = bench.rope_halves
     config = model_module.GPTConfig(**{k: a[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')})
     model = model_module.GPT(config)
+    if a['loss_chunk_tokens'] >= 0:
+        model.loss_chunk_tokens = a['loss_chunk_tokens']
     x, y = (torch.randint(0, a['vocab_size'], (a['batch_size'], a['block_size'])) for _ in range(2))
     os.makedirs(a['out'], exist_ok=True)
     compiled = torch.compile(model)
@@ -107,12 +118,17 @@ def main(argv):
     save_module(os.path.join(a['out'], 'forward.py'))  # inductor's module for the forward, loaded by now
     loss.backward()
     save_module(os.path.join(a['out'], 'backward.py'))
+    total = 0.0
     for part in ('forward', 'backward'):
         path = os.path.join(a['out'], f'{part}.py')
         found = kernels(path)
-        print(f"{path}: {len(found)} Triton kernels")
-        for name, loads, stores, hints in found:
-            print(f"  {loads:2d} loads {stores:2d} stores  {hints:<32} {name}")
+        moved = sum(mb * n for *_, mb, n in found)
+        total += moved
+        print(f"{path}: {len(found)} Triton kernels, {sum(n for *_, n in found)} launches, {moved:,.1f} MB moved")
+        for name, loads, stores, hints, mb, n in found:
+            print(f"  {loads:2d} loads {stores:2d} stores  {hints:<32} {n:3d} x {mb:9.2f} MB  {name}")
+    print(f"one micro-step ({a['batch_size']} x {a['block_size']} tokens): {total:,.1f} MB through the Triton kernels, "
+          f"{total / a['bandwidth']:.2f} ms at {a['bandwidth']:g} GB/s (an estimate from the code; nothing ran)")
     return 0
 
 
