@@ -16,6 +16,7 @@ time. Steps, optimizer and data are train.py's.
     python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
     python bench.py --rungs=8 --rope=halves --loss_chunk_tokens=0                # (variants: see DEFAULTS)
     python bench.py --rungs=8 --stage_data=True      # the top rung without data loading: what loading costs
+    python bench.py --rungs=8 --residual=autocast    # the residual stream in bf16 (model.autocast_residual)
 
 The ladder:
   1 fp32 eager       float32, SDPA's unfused math kernel (SDPBackend.MATH), separate q/k/v projections
@@ -92,6 +93,8 @@ DEFAULTS = dict(
     sdpa_backend='auto',     # rungs 4 on: 'auto' (SDPA picks), or only 'cudnn', 'flash' or 'efficient'
     loss_chunk_tokens=-1,    # the chunked-loss rungs: -1 model.py's chunk size; 0 the plain loss there too
     rope='flip',             # every rung: 'flip' (model.apply_rotary) or 'halves' (rope_halves, the textbook form)
+    residual='float32',      # rungs under autocast: the residual stream in 'float32' (as autocast leaves it) or in
+                             # 'autocast''s dtype (model.autocast_residual)
     stage_data=False,        # True: a step's micro-batches loaded once and kept on the device (StagedBatches), so
                              # the steps run without data loading; the difference to False is what loading costs
     gradient_accumulation_steps=0,                                            # 0: the preset's
@@ -304,6 +307,7 @@ def run_rung(s, env, timed=nullcontext):
             block.attn = SeparateQKVAttention(block.attn)
     model.activation_checkpointing = s['checkpointing']
     model.loss_chunk_tokens = env.loss_chunk_tokens if s['chunked_loss'] else 0  # 0: the plain loss
+    model.autocast_residual = env.residual == 'autocast'  # (no effect on the float32 rungs: no autocast)
     cfg = SimpleNamespace(**{**train.DEFAULTS, **{k: v for k, v in vars(env).items() if k in train.DEFAULTS},
                              'optimizer': s['optimizer'], 'fp8': s['fp8'], 'compile': s['compile'],
                              'activation_checkpointing': s['checkpointing'], 'dtype': s['dtype']})
@@ -401,10 +405,11 @@ def ladder(env):
 
 def variants_line(meta):
     v = meta['variants']
+    chunk = f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)"
+    residual = "in autocast's dtype" if v['residual'] == 'autocast' else 'float32'
+    data = 'staged on the device (no loading)' if v['stage_data'] else 'loaded as train.py does'
     return (f"- variants: compile mode {v['compile_mode']}, SDPA backend {v['sdpa_backend']}, RoPE {v['rope']}, "
-            "loss chunk " +
-            (f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)") +
-            (", data staged on the device (no loading)" if v['stage_data'] else ", data loaded as train.py does"))
+            f"loss chunk {chunk}, residual stream {residual}, data {data}")
 
 
 def markdown(rows, meta):
@@ -668,7 +673,7 @@ def setup(argv):
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
                'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': train.CHOICES['fp8_recipe'],
                'compile_mode': train.CHOICES['compile_mode'], 'sdpa_backend': tuple(SDPA_BACKENDS),
-               'rope': ('flip', 'halves')}
+               'rope': ('flip', 'halves'), 'residual': ('float32', 'autocast')}
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -719,7 +724,8 @@ def setup(argv):
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
                     variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
-                                  loss_chunk_tokens=env.loss_chunk_tokens, stage_data=env.stage_data),
+                                  loss_chunk_tokens=env.loss_chunk_tokens, residual=env.residual,
+                                  stage_data=env.stage_data),
                     memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
                     else f'n/a on {device_type}')
     return env

@@ -17,6 +17,7 @@ Features, each findable by name below:
 - x0_mix: each block after the first also reads a learned multiple of the token embeddings.
 - Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth
   (or zero: zero_init_proj); optional logit soft-capping (softcap).
+- The residual stream in autocast's dtype (`model.autocast_residual`), float32 by default.
 - Activation checkpointing (`model.activation_checkpointing`): 'full' recomputes each block in backward;
   'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
 - The loss without the full logits (ChunkedCrossEntropy, `model.loss_chunk_tokens`): the head's matmul,
@@ -398,6 +399,11 @@ class GPT(nn.Module):
         # blocks before it left of them
         self.x0_scale = nn.Parameter(torch.zeros(config.n_layer - 1)) if config.x0_mix else None
         self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring
+        # True: under autocast, the residual stream in autocast's dtype (the token embeddings cast to it, so every
+        # block's sum stays in it), as under FSDP's bf16 policy; False: float32, as autocast leaves it. bf16 moves
+        # about 16% fewer bytes through the compiled 124M step's elementwise kernels (BENCHMARKS.md) and rounds
+        # each block's update to bf16 (bench.py --residual=autocast)
+        self.autocast_residual = False
         # tokens per chunk of the loss (ChunkedCrossEntropy): the largest power of two whose logits fit in
         # LOSS_CHUNK_LOGITS; 0: the plain loss over all the logits at once (bench.py's baseline, the tests' reference)
         self.loss_chunk_tokens = 2 ** (max(1, LOSS_CHUNK_LOGITS // config.vocab_size).bit_length() - 1)
@@ -436,6 +442,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
         cos, sin = rotary_tables(self.cos[start:start + T], self.sin[start:start + T])  # once for every layer
         x = x0 = self.drop(self.wte(idx))  # (B, T, C)
+        if self.autocast_residual and torch.is_autocast_enabled(idx.device.type):
+            x = x0 = x.to(torch.get_autocast_dtype(idx.device.type))
         for layer, block in enumerate(self.blocks):
             if self.x0_scale is not None and layer:
                 x = x + self.x0_scale[layer - 1] * x0

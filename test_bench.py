@@ -281,10 +281,29 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *loss,
                      ('rung', True, True), ('compile', 'max-autotune'), flash, *loss]
     assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', rope='halves',
-                                      loss_chunk_tokens=size, stage_data=False)
+                                      loss_chunk_tokens=size, residual='float32', stage_data=False)
     md = open(tmp_path / 'bench.md').read()
     assert '- variants: compile mode max-autotune, SDPA backend flash, RoPE halves, loss chunk ' + (
-        f'{size:,} tokens' if size else '0 (the plain loss)') + ', data loaded as train.py does' in md
+        f'{size:,} tokens' if size else '0 (the plain loss)') + (
+        ', residual stream float32, data loaded as train.py does') in md
+
+
+def test_residual_variant_reaches_the_autocast_rungs(tmp_path, monkeypatch):
+    # Reference: the dtype each block receives, recorded per rung as it runs: with --residual=autocast, bf16 on the
+    # bf16 autocast rung (3), float32 on the float32 rung (1, no autocast); float32 on both without it.
+    import model as model_module
+    seen, real_run_rung, real_block = [], bench.run_rung, model_module.Block.forward
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env, **kw: seen.append(('rung', s['dtype'])) or
+                        real_run_rung(s, env, **kw))
+    monkeypatch.setattr(model_module.Block, 'forward', lambda self, x, *a, **k: seen.append(x.dtype) or
+                        real_block(self, x, *a, **k))
+    for residual, want in [('float32', torch.float32), ('autocast', torch.bfloat16)]:
+        seen.clear()
+        report = run_ladder(tmp_path / residual, '--rungs=1,3', '--dtype=bfloat16', f'--residual={residual}')
+        assert report['variants']['residual'] == residual
+        rung3 = seen.index(('rung', 'bfloat16'))
+        assert seen[0] == ('rung', 'float32') and set(seen[1:rung3]) == {torch.float32}
+        assert set(seen[rung3 + 1:]) == {want}
 
 
 @pytest.mark.parametrize('stage', [False, True])

@@ -1062,6 +1062,42 @@ def test_x0_mix_adds_the_scaled_token_embeddings_before_each_later_block():
         tiny_config(n_layer=1, x0_mix=True)
 
 
+@pytest.mark.parametrize('x0_mix', [False, True])
+def test_autocast_residual_keeps_the_stream_in_the_autocast_dtype(x0_mix):
+    # Reference: the forward written out with the model's own modules under CPU bf16 autocast, the token embeddings
+    # cast to bf16 first; the dtype every block receives and returns, recorded as it runs; without autocast the
+    # switch changes nothing, bit for bit; and the bf16 stream's loss stays near the float32 stream's.
+    model = tiny_model(seed=5, n_layer=3, x0_mix=x0_mix)
+    if x0_mix:
+        with torch.no_grad():
+            model.x0_scale.copy_(torch.tensor([0.5, -0.25]))
+    x, y = random_batch(1, 2, 16, 32)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    autocast = torch.autocast('cpu', torch.bfloat16)
+    with autocast:
+        float32_stream = model(x, y)[1]
+    assert set(seen) == {(torch.float32, torch.float32)}
+    model.autocast_residual, seen[:] = True, []
+    with autocast:
+        loss = model(x, y)[1]
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)} and len(seen) == 3
+    with autocast:
+        x0 = h = model.wte(x).to(torch.bfloat16)
+        cos, sin = model.cos[:16], model.sin[:16]
+        for i, block in enumerate(model.blocks):
+            h = block(h + (model.x0_scale[i - 1] * x0 if x0_mix and i else 0), cos, sin)
+        logits = model.lm_head(model.norm(h)).float()
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), y.reshape(-1)), rtol=1e-6, atol=1e-6)
+    assert loss != float32_stream and abs(loss - float32_stream) < 0.02  # rounded otherwise, and not far off
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    plain = tiny_model(seed=5, n_layer=3, x0_mix=x0_mix)
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(x, y)[1], plain(x, y)[1], rtol=0, atol=0)  # no autocast: nothing to follow
+
+
 @pytest.mark.parametrize('chunk', [0, 5])
 def test_logit_softcap_bounds_the_logits(chunk):
     # Reference: cap * tanh(z / cap) of the uncapped model's logits z (same weights), and the cross-entropy of

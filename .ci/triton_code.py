@@ -37,6 +37,7 @@ DEFAULTS = dict(n_layer=1, n_head=12, n_embd=768, vocab_size=50304, block_size=1
                 dtype='bfloat16',  # autocast, as on a GPU; 'float32': none
                 rope='flip',       # 'halves': bench.rope_halves in place of model.apply_rotary
                 loss_chunk_tokens=-1,  # -1: model.py's chunk size; 0: the plain loss
+                autocast_residual=False,  # True: the residual stream in bf16 (model.autocast_residual)
                 bandwidth=3350,    # GB/s, for the time the bytes take: an H100 SXM's HBM3, by its datasheet
                 out='triton_code')
 
@@ -110,6 +111,7 @@ def main(argv):
     model = model_module.GPT(config)
     if a['loss_chunk_tokens'] >= 0:
         model.loss_chunk_tokens = a['loss_chunk_tokens']
+    model.autocast_residual = a['autocast_residual']
     x, y = (torch.randint(0, a['vocab_size'], (a['batch_size'], a['block_size'])) for _ in range(2))
     os.makedirs(a['out'], exist_ok=True)
     compiled = torch.compile(model)
