@@ -112,11 +112,23 @@ class GPTConfig:
 class RMSNorm(nn.RMSNorm):
     """torch's nn.RMSNorm (same parameters, same state dict), with a hand-written backward on the CPU: torch 2.13's
     CPU rms_norm is composite (pow, mean, add, rsqrt, mul, mul) and autograd runs each op's backward, about twice
-    the elementwise passes of the formula's gradient below. bf16 and fp16 inputs (autocast's) are normalized in
-    float32, where torch's composite warns that it cannot fuse a float32 weight with them."""
+    the elementwise passes of the formula's gradient below. bf16 and fp16 inputs with a float32 weight (q and k
+    under autocast with qk_norm, the residual stream with GPT.autocast_residual) are normalized in float32 and
+    rounded once, on every device: torch's fused kernels take one dtype, and its composite warns that it cannot
+    fuse a float32 weight with them."""
 
     def forward(self, x):
-        if x.device.type != 'cpu' or self.weight is None:
+        return self.cpu_forward(x) if x.device.type == 'cpu' else self.fused_forward(x)
+
+    def fused_forward(self, x):
+        """torch's rms_norm: one fused kernel on CUDA, which takes one dtype."""
+        low = x.dtype in (torch.bfloat16, torch.float16)
+        if low and self.weight is not None and self.weight.dtype == torch.float32:
+            return super().forward(x.float()).to(x.dtype)
+        return super().forward(x)
+
+    def cpu_forward(self, x):
+        if self.weight is None:
             return super().forward(x)
         if x.dtype in (torch.bfloat16, torch.float16):  # under autocast: computed in float32, returned in x's dtype,
             eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps  # as torch's, warning-free

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 
 # cuBLAS is deterministic only with a fixed workspace, set before CUDA starts (Part 2 runs deterministic)
@@ -740,6 +741,33 @@ def test_sample_from_an_fp8_checkpoint(tmp_path, gpu_data):
     rows = [row for row in buf.getvalue().split('\n' + '-' * 80 + '\n') if row.strip()]
     vocab = {chr(0x100 + i) for i in range(64)}
     assert len(rows) == 2 and all(len(row) == 51 and set(row) <= vocab for row in rows), rows
+
+
+@gpu
+def test_rmsnorm_of_bf16_input_with_a_float32_weight_on_the_gpu():
+    # Reference: the formula in float64 on the bf16 input, as test_train.py's CPU test has it. What autocast_residual
+    # feeds the norms (and qk_norm always: a matmul's bf16 output) is computed in float32 and rounded once: within
+    # half a bf16 step of the exact value; the gain's gradient stays float32. torch's fused kernel takes one dtype,
+    # and the mixed pair must not fall back to its composite with a warning on every call.
+    from model import RMSNorm
+    torch.manual_seed(0)
+    C = 64
+    norm = RMSNorm(C, eps=1e-5).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(C))
+    x = (torch.randn(64, C, device='cuda') * 3).bfloat16().requires_grad_()
+    g = torch.randn(64, C, device='cuda', dtype=torch.float64)
+    with warnings.catch_warnings(), torch.autocast('cuda', dtype=torch.bfloat16):
+        warnings.simplefilter('error')
+        y = norm(x)
+        got = torch.autograd.grad(y, (x, norm.weight), g.bfloat16())
+    assert y.dtype == torch.bfloat16 and got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    assert ((y.double() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.001).all()
+    want = torch.autograd.grad(exact, (x64, w64), g.bfloat16().double())
+    torch.testing.assert_close(got[0].double(), want[0], rtol=2.0 ** -8, atol=1e-6)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
 
 
 def subprocess_run(cmd, out_dir, timeout=300):
