@@ -93,10 +93,11 @@ DEFAULTS = dict(
     sdpa_backend='auto',     # rungs 4 on: 'auto' (SDPA picks), or only 'cudnn', 'flash' or 'efficient'
     loss_chunk_tokens=-1,    # the chunked-loss rungs: -1 model.py's chunk size; 0 the plain loss there too
     rope='flip',             # every rung: 'flip' (model.apply_rotary) or 'halves' (rope_halves, the textbook form)
-    residual='float32',      # rungs under autocast: the residual stream in 'float32' (as autocast leaves it) or in
-                             # 'autocast''s dtype (model.autocast_residual)
+    residual='float32',      # rungs under autocast, the residual stream: 'float32' (as autocast leaves it), or
+                             # 'autocast': in autocast's dtype (model.autocast_residual)
     stage_data=False,        # True: a step's micro-batches loaded once and kept on the device (StagedBatches), so
                              # the steps run without data loading; the difference to False is what loading costs
+                             # (the loss then comes from one step's batches over and over: compare only timings)
     gradient_accumulation_steps=0,                                            # 0: the preset's
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
@@ -177,7 +178,8 @@ def rope_variant(name):
 
 class StagedBatches:
     """--stage_data: the first `count` batches of a train.Batches (one optimizer step's), kept on the device and
-    served in turn, so that the timed steps read nothing from the token file and copy nothing to the device."""
+    served in turn, so that the timed steps read nothing from the token file and copy nothing to the device.
+    The steps then train on those batches again and again: their loss is not comparable with a loaded run's."""
 
     def __init__(self, batches, count):
         self.staged, self.served = [batches.next() for _ in range(count)], 0

@@ -5,8 +5,8 @@ model, then FLOPs/MFU arithmetic and generation.
 Features, each findable by name below:
 - GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden, unless set) and shape checks in
   __post_init__.
-- RMSNorm (torch's nn.RMSNorm, with a cheaper backward on the CPU, float32 under CPU autocast), pre-norm
-  residual blocks, no biases.
+- RMSNorm (torch's nn.RMSNorm, with a cheaper backward on the CPU; bf16 input with a float32 weight normalized
+  in float32 on every device), pre-norm residual blocks, no biases.
 - Rotary position embedding (RoPE) from precomputed, non-persistent cos/sin buffers, turned into the tables
   apply_rotary multiplies by once per forward (rotary_tables); optionally with Llama 3's frequency scaling
   (llama3_scaling, rope_scaling_factor > 0), as in Llama 3.1 and 3.2.
@@ -413,8 +413,8 @@ class GPT(nn.Module):
         self.activation_checkpointing = 'none'  # 'full' or 'selective': see the module docstring
         # True: under autocast, the residual stream in autocast's dtype (the token embeddings cast to it, so every
         # block's sum stays in it), as under FSDP's bf16 policy; False: float32, as autocast leaves it. bf16 moves
-        # about 16% fewer bytes through the compiled 124M step's elementwise kernels (BENCHMARKS.md) and rounds
-        # each block's update to bf16 (bench.py --residual=autocast)
+        # about 16% fewer bytes through the compiled 124M step's elementwise kernels, by inductor's estimate from
+        # the generated code (BENCHMARKS.md), and rounds each block's update to bf16 (bench.py --residual=autocast)
         self.autocast_residual = False
         # tokens per chunk of the loss (ChunkedCrossEntropy): the largest power of two whose logits fit in
         # LOSS_CHUNK_LOGITS; 0: the plain loss over all the logits at once (bench.py's baseline, the tests' reference)

@@ -297,10 +297,12 @@ def test_residual_variant_reaches_the_autocast_rungs(tmp_path, monkeypatch):
                         real_run_rung(s, env, **kw))
     monkeypatch.setattr(model_module.Block, 'forward', lambda self, x, *a, **k: seen.append(x.dtype) or
                         real_block(self, x, *a, **k))
-    for residual, want in [('float32', torch.float32), ('autocast', torch.bfloat16)]:
+    for residual, want, line in [('float32', torch.float32, 'residual stream float32,'),
+                                 ('autocast', torch.bfloat16, "residual stream in autocast's dtype,")]:
         seen.clear()
         report = run_ladder(tmp_path / residual, '--rungs=1,3', '--dtype=bfloat16', f'--residual={residual}')
         assert report['variants']['residual'] == residual
+        assert line in open(tmp_path / residual / 'bench.md').read()
         rung3 = seen.index(('rung', 'bfloat16'))
         assert seen[0] == ('rung', 'float32') and set(seen[1:rung3]) == {torch.float32}
         assert set(seen[rung3 + 1:]) == {want}

@@ -1355,3 +1355,29 @@ def test_rmsnorm_under_cpu_autocast_is_float32_math_rounded_once():
     want = torch.autograd.grad(exact, (x64, w64), g.bfloat16().double())
     torch.testing.assert_close(got[0].double(), want[0], rtol=2.0 ** -8, atol=1e-6)
     torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_off_the_cpu_path_matches_the_cpu_path_on_bf16_input():
+    # Reference: the CPU path (float32 math rounded once, checked against float64 above). fused_forward, what CUDA
+    # runs (torch's rms_norm, fed float32 when a bf16 input meets a float32 weight), run here on the same values:
+    # the same bf16 output and gradients within float32 rounding, and no mismatch warning from torch.
+    torch.manual_seed(1)
+    C = 32
+    norm = model_module.RMSNorm(C, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(C))
+    x = (torch.randn(64, C) * 3).bfloat16().requires_grad_()
+    g = torch.randn(64, C).bfloat16()
+    outs = []
+    for path in (norm.cpu_forward, norm.fused_forward):
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            y = path(x)
+        outs.append((y, *torch.autograd.grad(y, (x, norm.weight), g)))
+    (y_cpu, gx_cpu, gw_cpu), (y_fused, gx_fused, gw_fused) = outs
+    assert y_fused.dtype == torch.bfloat16 and gw_fused.dtype == torch.float32
+    assert (y_fused.float() - y_cpu.float()).abs().max() <= 2.0 ** -7 * y_cpu.float().abs().max()  # at most a step
+    assert (y_fused != y_cpu).float().mean() < 0.02  # and nearly always the same rounding
+    torch.testing.assert_close(gx_fused.float(), gx_cpu.float(), rtol=2.0 ** -7, atol=1e-3)
+    torch.testing.assert_close(gw_fused, gw_cpu, rtol=1e-4, atol=1e-4)
+    assert torch.equal(norm(x), y_cpu)  # forward takes the CPU's path on the CPU

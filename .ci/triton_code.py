@@ -17,7 +17,8 @@ code differs: attention here is the CPU's flash kernel (outside the generated co
 outputs' layout can differ from cuDNN's.
 Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size,
 launches and the MB each launch moves by inductor's own estimate; then the micro-step's total, and the time it
-takes at the given bandwidth: a floor for the Triton kernels' time, not a measurement.
+takes at the given bandwidth: an estimate of the Triton kernels' time, not a measurement (inductor counts a value
+read twice as twice the bytes, so it errs high where the cache holds the second read).
 """
 import os
 import re
@@ -91,6 +92,7 @@ def kernels(path):
                             r"'num_store': (\d+).*?'kernel_num_gb': ([0-9.e-]+)", text, re.S):
         hints, name, loads, stores, gb = meta.groups()
         found.append((name, int(loads), int(stores), hints, 1000 * float(gb), calls.count(f"{name}.run(")))
+    assert len(found) == text.count('async_compile.triton('), f"{path}: a kernel without its kernel_num_gb"
     return found
 
 
