@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from types import SimpleNamespace
 
 # cuBLAS is deterministic only with a fixed workspace, set before CUDA starts (Part 2 runs deterministic)
@@ -49,7 +48,7 @@ import torch._dynamo.device_interface  # noqa: E402,F401
 
 import model as model_module  # noqa: E402
 import train  # noqa: E402
-from conftest import read_metrics, write_dataset  # noqa: E402
+from conftest import assert_rmsnorm_rounded_once, read_metrics, rmsnorm_bf16_case, write_dataset  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -745,29 +744,11 @@ def test_sample_from_an_fp8_checkpoint(tmp_path, gpu_data):
 
 @gpu
 def test_rmsnorm_of_bf16_input_with_a_float32_weight_on_the_gpu():
-    # Reference: the formula in float64 on the bf16 input, as test_train.py's CPU test has it. What autocast_residual
-    # feeds the norms (and qk_norm always: a matmul's bf16 output) is computed in float32 and rounded once: within
-    # half a bf16 step of the exact value; the gain's gradient stays float32. torch's fused kernel takes one dtype,
-    # and the mixed pair must not fall back to its composite with a warning on every call.
-    from model import RMSNorm
-    torch.manual_seed(0)
-    C = 64
-    norm = RMSNorm(C, eps=1e-5).cuda()
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.5 * torch.randn(C))
-    x = (torch.randn(64, C, device='cuda') * 3).bfloat16().requires_grad_()
-    g = torch.randn(64, C, device='cuda', dtype=torch.float64)
-    with warnings.catch_warnings(), torch.autocast('cuda', dtype=torch.bfloat16):
-        warnings.simplefilter('error')
-        y = norm(x)
-        got = torch.autograd.grad(y, (x, norm.weight), g.bfloat16())
-    assert y.dtype == torch.bfloat16 and got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
-    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
-    exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
-    assert ((y.double() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.001).all()
-    want = torch.autograd.grad(exact, (x64, w64), g.bfloat16().double())
-    torch.testing.assert_close(got[0].double(), want[0], rtol=2.0 ** -8, atol=1e-6)
-    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+    # Reference: the formula in float64 on the bf16 input, as test_train.py's CPU test has it
+    # (conftest.assert_rmsnorm_rounded_once). What autocast_residual feeds the norms (and qk_norm always: a
+    # matmul's bf16 output) must be float32 math rounded once; torch's fused kernel takes one dtype, and the mixed
+    # pair must not fall back to its composite with a warning on every call.
+    assert_rmsnorm_rounded_once(*rmsnorm_bf16_case('cuda', C=64))
 
 
 def subprocess_run(cmd, out_dir, timeout=300):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import model as model_module
 import train
 from configurator import ConfigError, configure
+from conftest import assert_rmsnorm_rounded_once, rmsnorm_bf16_case
 from model import (GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, rotary_tables,
                    sample_next)
 from prepare_data import prepare
@@ -1328,46 +1329,21 @@ def test_attention_under_cpu_autocast_runs_in_float32():
 
 
 def test_rmsnorm_under_cpu_autocast_is_float32_math_rounded_once():
-    # Reference: the formula in float64 on the bf16 input. Under CPU autocast the norms (the q/k norms of
-    # qk_norm) get bf16 input and a float32 gain; ours computes in float32 and rounds the output once to bf16,
-    # so it is within half a bf16 step (at most 2^-8 of the value) of the exact value, as is the input's
-    # gradient; the gain's gradient stays float32. Computed in bf16 throughout, a quarter of the outputs miss.
-    # torch's own path warns on every call that it cannot fuse a float32 gain with bf16 input: ours must not.
-    torch.manual_seed(0)
-    C = 32
-    norm = model_module.RMSNorm(C, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.5 * torch.randn(C))
-    x = (torch.randn(64, C) * 3).bfloat16().requires_grad_()
-    g = torch.randn(64, C, dtype=torch.float64)
-    with warnings.catch_warnings(), torch.autocast('cpu', dtype=torch.bfloat16):
-        warnings.simplefilter('error')
-        y = norm(x)
-        got = torch.autograd.grad(y, (x, norm.weight), g.bfloat16())
-    assert y.dtype == torch.bfloat16 and got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
-    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
-    exact = rms_norm_ref(x64, w64, 1e-5)
-
-    def within(out):
-        return (out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.001
-    assert within(y).all()
-    assert within(rms_norm_ref(x.detach(), norm.weight.detach().bfloat16(), 1e-5)).float().mean() < 0.8  # bf16 math
-    want = torch.autograd.grad(exact, (x64, w64), g.bfloat16().double())
-    torch.testing.assert_close(got[0].double(), want[0], rtol=2.0 ** -8, atol=1e-6)
-    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+    # Reference: the formula in float64 on the bf16 input (conftest.assert_rmsnorm_rounded_once). Under CPU autocast
+    # the norms (the q/k norms of qk_norm) get bf16 input and a float32 gain; ours computes in float32 and rounds
+    # the output once to bf16. Computed in bf16 throughout, a quarter of the outputs would miss.
+    norm, x = rmsnorm_bf16_case()
+    exact = assert_rmsnorm_rounded_once(norm, x)
+    bf16_math = rms_norm_ref(x.detach(), norm.weight.detach().bfloat16(), 1e-5).double()
+    assert ((bf16_math - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.001).float().mean() < 0.8
 
 
 def test_rmsnorm_off_the_cpu_path_matches_the_cpu_path_on_bf16_input():
     # Reference: the CPU path (float32 math rounded once, checked against float64 above). fused_forward, what CUDA
     # runs (torch's rms_norm, fed float32 when a bf16 input meets a float32 weight), run here on the same values:
     # the same bf16 output and gradients within float32 rounding, and no mismatch warning from torch.
-    torch.manual_seed(1)
-    C = 32
-    norm = model_module.RMSNorm(C, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.5 * torch.randn(C))
-    x = (torch.randn(64, C) * 3).bfloat16().requires_grad_()
-    g = torch.randn(64, C).bfloat16()
+    norm, x = rmsnorm_bf16_case(seed=1)
+    g = torch.randn(x.shape).bfloat16()
     outs = []
     for path in (norm.cpu_forward, norm.fused_forward):
         with warnings.catch_warnings():
