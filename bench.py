@@ -378,7 +378,8 @@ def ladder(env):
                    **{key: None for key, _ in COLUMNS.values()})
         if env.rungs and i not in env.rungs:
             row.update(status='not run', reason='not in --rungs', builds_on=None)
-            s = s if top or why_skip(change, env) else trial  # a rung left out still builds the next ones
+            if not (top or why_skip(change, env)):  # a rung left out still builds the next ones, and the next
+                s, prev = trial, None                 # rung that runs has no measured rung to compare with
             rows.append(row)
             continue
         try:
@@ -405,13 +406,26 @@ def ladder(env):
 # ----------------------------------------------------------------------------------------------------
 # report: markdown and chart (the JSON is the rows themselves)
 
-def variants_line(meta):
+# the variants that only some rungs read, and which: a variant no rung that ran reads is marked so in the report
+VARIANT_READ_BY = {'compile_mode': lambda s: s['compile'], 'sdpa_backend': lambda s: s['attention'] != 'math',
+                   'loss_chunk_tokens': lambda s: s['chunked_loss'], 'residual': lambda s: s['dtype'] != 'float32'}
+
+
+def variants_line(meta, ran):
+    """The variants of meta, as a line of the report; ran: the settings of the rungs that ran."""
     v = meta['variants']
-    chunk = f"{v['loss_chunk_tokens']:,} tokens" if v['loss_chunk_tokens'] else "0 (the plain loss)"
+    micro = meta['batch_size'] * meta['block_size']
+    chunk = ("0 (the plain loss)" if not v['loss_chunk_tokens'] else f"{v['loss_chunk_tokens']:,} tokens" + (
+        f" (one chunk: a micro-batch is {micro:,} tokens)" if v['loss_chunk_tokens'] >= micro else ''))
     residual = "in autocast's dtype" if v['residual'] == 'autocast' else 'float32'
     data = 'staged on the device (no loading)' if v['stage_data'] else 'loaded as train.py does'
-    return (f"- variants: compile mode {v['compile_mode']}, SDPA backend {v['sdpa_backend']}, RoPE {v['rope']}, "
-            f"loss chunk {chunk}, residual stream {residual}, data {data}")
+    parts = {'compile_mode': f"compile mode {v['compile_mode']}", 'sdpa_backend': f"SDPA backend {v['sdpa_backend']}",
+             'rope': f"RoPE {v['rope']}", 'loss_chunk_tokens': f"loss chunk {chunk}",
+             'residual': f"residual stream {residual}", 'stage_data': f"data {data}"}
+    for key, reads in VARIANT_READ_BY.items():
+        if not any(reads(s) for s in ran):
+            parts[key] += ' (read by no rung that ran)'
+    return "- variants: " + ', '.join(parts.values())
 
 
 def markdown(rows, meta):
@@ -422,7 +436,8 @@ def markdown(rows, meta):
              f"- step (iter): one optimizer step of {meta['batch_size']} x {meta['block_size']} tokens x "
              f"{meta['gradient_accumulation_steps']} micro-batches = {meta['tokens_per_iter']:,} tokens; "
              f"{meta['step_note']}",
-             f"- data: {meta['data']}", variants_line(meta),
+             f"- data: {meta['data']}", variants_line(meta, [r['settings'] for r in rows if r['status'] in
+                                                              ('ok', 'failed')]),
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
              f"peak memory: {meta['memory']}; vs prev: over the rung it builds on; loss: after the timed steps",
              "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
@@ -609,15 +624,20 @@ def profile(env):
         spent, calls, shares, kind, busy_ms = kernel_times(prof.events())
         what = 'kernel'
     else:  # operators: their own CPU time
-        spent, calls, shares = collections.Counter(), collections.Counter(), collections.Counter()
+        spent, calls, shares, in_optimizer = (collections.Counter() for _ in range(4))
         for e in prof.key_averages():
             if e.self_cpu_time_total > 0:
                 spent[e.key] += e.self_cpu_time_total  # one key can have several rows (by device, annotation)
                 calls[e.key] += e.count
         for e in prof.events():
             if e.self_cpu_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU:
-                shares['optimizer' if in_optimizer_step(e) else kind_of(e.name)] += e.self_cpu_time_total
-        kind = {name: kind_of(name) for name in spent}
+                optimizer = in_optimizer_step(e)
+                shares['optimizer' if optimizer else kind_of(e.name)] += e.self_cpu_time_total
+                if optimizer:
+                    in_optimizer[e.name] += e.self_cpu_time_total
+        # an operator's kind, as the shares count its time: the optimizer's where most of its time is in its step
+        kind = {name: 'optimizer' if in_optimizer[name] and 2 * in_optimizer[name] >= t else kind_of(name)
+                for name, t in spent.items()}
         busy_ms, what = sum(spent.values()) / 1000, 'operator'
     total = sum(spent.values()) or 1.0
     meta = env.meta
@@ -625,7 +645,7 @@ def profile(env):
              f"- device: {meta['device']}; torch {meta['torch']}", f"- model: {meta['params'] / 1e6:.2f}M parameters; "
              f"{meta['tokens_per_iter']:,} tokens per step ({meta['batch_size']} x {meta['block_size']} x "
              f"{meta['gradient_accumulation_steps']})", f"- rung: {precision(s, env.fp8_recipe)}; " + ', '.join(
-                 k for k, v in s.items() if v is True), variants_line(meta),
+                 k for k, v in s.items() if v is True), variants_line(meta, [s]),
              f"- profiled: {env.steps} step(s) after {env.warmup} warm-up "
              f"step(s): {wall_ms:,.1f} ms wall, {row['tokens_per_sec']:,.0f} tokens/s" + (
                  f", MFU {row['mfu']:.1%}" if row['mfu'] else ''), '',
@@ -688,11 +708,14 @@ def setup(argv):
         raise ConfigError(f"rungs={a['rungs']!r}: expected rung numbers separated by commas, e.g. '1,8,12'") from None
     if any(not 1 <= r <= total for r in a['rungs']):
         raise ConfigError(f"rungs={a['rungs']}: the ladder's rungs are numbered 1 to {total}")
+    train.check_device(a['device'])
     a['device'] = train.pick_device(a['device'])
     device_type = torch.device(a['device']).type
     if a['mode'] == 'fit' and device_type != 'cuda':
         raise BenchError(f"--mode=fit needs a CUDA GPU: it raises the micro-batch until GPU memory runs out. This "
                          f"run is on {device_type}, whose RAM it does not probe; set batch_size by hand there")
+    if a['threads'] < 0:
+        raise ConfigError(f"threads={a['threads']}: must be at least 0 (0: torch's default)")
     torch.set_num_threads(a['threads'] or torch.get_num_threads())
     a['preset'] = a['preset'] if a['preset'] != 'auto' else 'gpt2' if device_type == 'cuda' else 'small'
     a.update({k: a[k] or v for k, v in PRESETS[a['preset']].items()})
@@ -703,7 +726,11 @@ def setup(argv):
         raise ConfigError(f"sdpa_backend={a['sdpa_backend']!r} is a CUDA kernel; on {device_type}: 'auto' or 'flash'")
     if a['loss_chunk_tokens'] < -1:
         raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
-    env = SimpleNamespace(**a, device_type=device_type, config=GPTConfig(**{k: a[k] for k in SHAPE}))
+    try:
+        config = GPTConfig(**{k: a[k] for k in SHAPE})
+    except ValueError as e:  # a shape GPTConfig rejects, with its reason
+        raise ConfigError(str(e)) from None
+    env = SimpleNamespace(**a, device_type=device_type, config=config)
     env.mixed, env.mixed_reason = train.pick_dtype(a['dtype'], device_type)
     try:
         meta = train.read_meta(env.data_dir)

@@ -21,8 +21,8 @@ LOSSES = {'loss': dict(lw=0.8, alpha=0.45),                      # training line
 
 
 def read_metrics(out_dir):
-    """The records of out_dir/metrics.jsonl, in order. A missing or empty file is an error naming it; a last
-    line without its newline (being written right now) is left out."""
+    """The records of out_dir/metrics.jsonl, in order. A missing or empty file, or a line that is not a JSON
+    object, is an error naming it; a last line without its newline (being written right now) is left out."""
     path = os.path.join(out_dir, 'metrics.jsonl')
     if not os.path.isfile(path):
         raise ValueError(f"{path} not found: {out_dir} is not the out_dir of a training run (yet)")
@@ -30,10 +30,14 @@ def read_metrics(out_dir):
     with open(path) as f:
         for n, line in enumerate(f, start=1):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
                 if line.endswith('\n'):
                     raise ValueError(f"{path}, line {n}: not a JSON record: {line[:80]!r}") from None
+                continue
+            if not isinstance(record, dict) or 'iter' not in record:
+                raise ValueError(f"{path}, line {n}: not a record of train.py (an object with 'iter'): {line[:80]!r}")
+            records.append(record)
     if not records:
         raise ValueError(f"{path} is empty: the run has logged nothing yet")
     return records
@@ -95,11 +99,19 @@ def main(argv=None):
     parser.add_argument('out_dirs', nargs='+', help="runs' out_dir folders (each holds metrics.jsonl)")
     parser.add_argument('--out', default='compare.png', help='the PNG to write (default: compare.png)')
     args = parser.parse_args(argv)
+    runs = {}
     try:
-        runs = {out_dir.rstrip('/'): read_metrics(out_dir) for out_dir in args.out_dirs}
+        for out_dir in args.out_dirs:
+            label = os.path.normpath(out_dir)
+            if label in runs:
+                raise ValueError(f"{out_dir} is given twice")
+            runs[label] = read_metrics(out_dir)
     except ValueError as e:
         parser.exit(1, f"plot.py: error: {e}\n")
-    draw(runs, args.out)
+    try:
+        draw(runs, args.out)
+    except OSError as e:
+        parser.exit(1, f"plot.py: error: cannot write {args.out}: {e.strerror or e}\n")
     print(f"wrote {args.out}: {', '.join(runs)}")
 
 

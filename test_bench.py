@@ -98,7 +98,11 @@ def test_rungs_runs_only_those_with_the_settings_of_the_whole_ladder(result, tmp
             assert r['status'] == 'ok' and abs(r['loss'] - full[i]['loss']) < TOL, i
         else:
             assert r['status'] == 'not run' and r['ms_per_iter'] is None, i
-    assert part[7]['speedup_vs_prev'] == pytest.approx(part[1]['ms_per_iter'] / part[7]['ms_per_iter'])
+    # vs prev: over the rung a rung builds on, when it ran. Rungs 2-6 did not, so rung 7 has no such rung (1 lacks
+    # their changes); the memory rungs build on the last of the ladder that ran (8 is skipped here: compile off)
+    assert part[7]['speedup_vs_prev'] is None and part[7]['builds_on'] is None
+    assert part[10]['speedup_vs_prev'] == pytest.approx(part[7]['ms_per_iter'] / part[10]['ms_per_iter'])
+    assert part[10]['builds_on'] == full[7]['name']
     for bad, words in (('0,3', 'numbered 1 to 12'), ('x', 'rung numbers separated by commas')):
         with pytest.raises(bench.ConfigError, match=words):
             bench.setup([*TINY, f'--rungs={bad}'])
@@ -143,6 +147,14 @@ def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
     assert {'optimizer', 'matmul', 'attention'} <= set(shares), text
     assert sum(map(float, shares.values())) == pytest.approx(100, abs=0.5)
     assert 'top operators by time' in text and '`aten::mm`' in text
+    # each listed operator's kind is the one the shares count its time under: the rows of a kind add up to no
+    # more than the kind's time (AdamW's sqrt once counted as elementwise, in rows alone above that share)
+    times = dict(re.findall(r'^\| ([a-z ]+) \| ([\d,.]+) \| [\d.]+% \|$', text, re.M))
+    rows = re.findall(r'^\| `[^`]+` \| ([a-z ]+) \| ([\d,.]+) \|', text, re.M)
+    assert rows and any(kind == 'optimizer' for kind, _ in rows)
+    for kind in {kind for kind, _ in rows}:
+        listed = [float(ms.replace(',', '')) for k, ms in rows if k == kind]
+        assert sum(listed) <= float(times[kind].replace(',', '')) + 0.05 * len(listed), kind
 
 
 def fake_kernel(name, start, end):
@@ -283,9 +295,11 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', rope='halves',
                                       loss_chunk_tokens=size, residual='float32', stage_data=False)
     md = open(tmp_path / 'bench.md').read()
-    assert '- variants: compile mode max-autotune, SDPA backend flash, RoPE halves, loss chunk ' + (
-        f'{size:,} tokens' if size else '0 (the plain loss)') + (
-        ', residual stream float32, data loaded as train.py does') in md
+    # the chunk as it splits a 4 x 32 micro-batch; the residual variant is read by no rung: every one is float32
+    chunk_words = (f'{size:,} tokens' + (' (one chunk: a micro-batch is 128 tokens)' if size >= 128 else '')
+                   if size else '0 (the plain loss)')
+    assert (f'- variants: compile mode max-autotune, SDPA backend flash, RoPE halves, loss chunk {chunk_words}, '
+            'residual stream float32 (read by no rung that ran), data loaded as train.py does') in md
 
 
 def test_residual_variant_reaches_the_autocast_rungs(tmp_path, monkeypatch):
@@ -391,6 +405,19 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
 def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
     with pytest.raises(bench.ConfigError, match=re.escape(message)):
         bench.setup([*TINY, *flags])
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--n_head=3', 'GPTConfig: n_embd=32 is not divisible by n_head=3'),
+    ('--n_layer=-1', 'GPTConfig: n_layer=-1 must be positive'),
+    ('--threads=-1', 'threads=-1: must be at least 0'),
+    ('--device=foo', "device='foo': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    ('--device=cuda:7', "device='cuda:7', but this machine has")])
+def test_a_bad_setting_is_a_config_error_naming_it(flag, message):
+    # Reference: the messages of GPTConfig and of train.check_device, which train.py gives for the same values
+    # (a ConfigError is printed as one line, where these were tracebacks of ValueError or RuntimeError)
+    with pytest.raises(bench.ConfigError, match=re.escape(message)):
+        bench.setup([*TINY, flag])
 
 
 def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
@@ -506,12 +533,13 @@ def test_activation_bytes_per_block_full_selective_none(n_kv_head):
 
 def test_the_chunked_loss_saves_the_logits():
     # Reference: the plain loss keeps the fp32 log-probabilities (N, V), the targets (N, int64) and
-    # cross-entropy's total weight (a float); the chunked loss keeps the head's gradient (V, C) instead. The
-    # head's input that the plain loss keeps and the input gradient that the chunked loss keeps are both (N, C).
+    # cross-entropy's total weight (a float); the chunked loss keeps the head's gradient (V, C) instead, and the
+    # count of tokens not ignored (a float). The head's input that the plain loss keeps and the input gradient
+    # that the chunked loss keeps are both (N, C).
     plain, _ = saved_bytes(2, loss_chunk_tokens=0)
     for chunk in (7, 1024):  # chunks that do not divide N, and one chunk for all
         chunked, _ = saved_bytes(2, loss_chunk_tokens=chunk)
-        assert plain - chunked == 4 * N * V + 8 * N + 4 - 4 * V * C
+        assert plain - chunked == 4 * N * V + 8 * N + 4 - 4 * V * C - 4
 
 
 def test_activation_bytes_counts_each_storage_once_and_no_weights():

@@ -114,6 +114,24 @@ def test_missing_or_empty_metrics_are_errors_naming_them(tmp_path, capsys):
         f.write('ss": 1\n{"iter": 5}\n')
     with pytest.raises(ValueError, match=r'metrics\.jsonl, line 6: not a JSON record'):
         plot.read_metrics(good)
+    for line in ('[1, 2]', '{"loss": 1.0}'):  # JSON, but not a record of train.py
+        odd = write_metrics(tmp_path / 'odd', [])
+        with open(os.path.join(odd, 'metrics.jsonl'), 'w') as f:
+            f.write(json.dumps(RECORDS[0]) + '\n' + line + '\n')
+        with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2: not a record of train\.py"):
+            plot.read_metrics(odd)
+
+
+def test_cli_errors_name_what_the_user_gave(tmp_path, capsys):
+    # a PNG that cannot be written names the --out path given (not its .tmp), a run given twice is an error
+    good = write_metrics(tmp_path / 'good', RECORDS)
+    unwritable, png = tmp_path / 'no-dir' / 'x.png', tmp_path / 'x.png'
+    for args, message in (([good, f'--out={unwritable}'], f'plot.py: error: cannot write {unwritable}: '),
+                          ([good, good + '/', f'--out={png}'], f'plot.py: error: {good}/ is given twice')):
+        with pytest.raises(SystemExit) as e:
+            plot.main(args)
+        assert e.value.code == 1 and message in capsys.readouterr().err
+    assert not (tmp_path / 'x.png').exists()
 
 # ----------------------------------------------------------------------------------------------------
 # train.py: metrics.png

@@ -888,19 +888,24 @@ def check_config(cfg):
             if not (finite and ok(value, cfg)):
                 raise ConfigError(f"{key}={value!r}: must be " + ('' if finite else 'finite and ')
                                   + what.format(**vars(cfg)))
-    if cfg.device == 'auto':
+    check_device(cfg.device)
+
+
+def check_device(name):
+    """Raise a ConfigError unless name is 'auto' or a device this machine has (bench.py checks its own so)."""
+    if name == 'auto':
         return
     try:
-        device = torch.device(cfg.device)
+        device = torch.device(name)
     except RuntimeError:
         device = None
     if device is None or device.type not in ('cpu', 'cuda', 'mps'):
-        raise ConfigError(f"device={cfg.device!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        raise ConfigError(f"device={name!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
     if device.type == 'cuda' and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"device={cfg.device!r}, but this machine has {torch.cuda.device_count()} CUDA devices "
+        raise ConfigError(f"device={name!r}, but this machine has {torch.cuda.device_count()} CUDA devices "
                           f"that torch can use")
     if device.type == 'mps' and not torch.backends.mps.is_available():
-        raise ConfigError(f"device={cfg.device!r}, but MPS is not available here")
+        raise ConfigError(f"device={name!r}, but MPS is not available here")
 
 
 # settings that only one choice of another reads: set away from their default under another choice, they
