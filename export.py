@@ -73,9 +73,14 @@ def name_map(c):
 
 
 def to_hf(state, c):
-    """Our state dict -> the Hugging Face tensors (fused matrices split by rows)."""
+    """Our state dict -> the Hugging Face tensors (fused matrices split by rows); a missing tensor is an error
+    naming it."""
     out = {}
     for ours, theirs, rows in name_map(c):
+        if ours not in state:
+            compiled = any(k.startswith('_orig_mod.') for k in state)
+            raise ValueError(f"the checkpoint's weights lack {ours}" +
+                             (" (its names start with _orig_mod.: saved from a compiled model)" if compiled else ''))
         out.update(zip(theirs, state[ours].split(rows) if rows else [state[ours]]))
     return out
 
@@ -152,12 +157,14 @@ def hf_model_args(path):
     max_len = cfg.get('max_position_embeddings', 32768 if kind == 'qwen3' else 2048)
     try:
         n_head = cfg['num_attention_heads']
-        args = dict(n_layer=cfg['num_hidden_layers'], n_head=n_head, n_kv_head=cfg.get('num_key_value_heads') or n_head,
+        qwen3 = kind == 'qwen3'  # where a key is left out, transformers' defaults: Qwen3Config's, LlamaConfig's
+        args = dict(n_layer=cfg['num_hidden_layers'], n_head=n_head,
+                    n_kv_head=cfg.get('num_key_value_heads') or (32 if qwen3 else n_head),
                     n_embd=cfg['hidden_size'], vocab_size=cfg['vocab_size'], qk_norm=kind == 'qwen3',
                     tie_embeddings=cfg.get('tie_word_embeddings', False), mlp='swiglu',
                     rope_base=float(rope.get('rope_theta', cfg.get('rope_theta', 10000.0))),
                     norm_eps=cfg.get('rms_norm_eps', 1e-6),
-                    head_dim=cfg.get('head_dim') or cfg['hidden_size'] // n_head,  # transformers' reading
+                    head_dim=cfg.get('head_dim') or (128 if qwen3 else cfg['hidden_size'] // n_head),
                     mlp_hidden=cfg.get('intermediate_size', 22016 if kind == 'qwen3' else 11008))
         if rope_type == 'llama3':  # where the length of pretraining is, as transformers looks for it
             original = (cfg.get('original_max_position_embeddings') or rope.get('original_max_position_embeddings')
@@ -295,7 +302,10 @@ def export(ckpt_path, hf_dir, dtype='float32'):
     ckpt = load_checkpoint(ckpt_path)
     if missing := [k for k in ('model', 'model_args', 'meta') if k not in ckpt]:
         raise ValueError(f"{ckpt_path} is not a checkpoint of train.py: it lacks {', '.join(missing)}")
-    c, meta = GPTConfig(**ckpt['model_args']), ckpt['meta']
+    try:
+        c, meta = GPTConfig(**ckpt['model_args']), ckpt['meta']
+    except (TypeError, ValueError) as e:  # a key GPTConfig lacks, or a shape it refuses
+        raise ValueError(f"{ckpt_path}: its model_args do not make a model.py config: {e}") from None
     config = hf_config(c, meta.get('eot_token'), dtype)
     tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in to_hf(ckpt['model'], c).items()}
     os.makedirs(hf_dir, exist_ok=True)
@@ -325,3 +335,5 @@ if __name__ == '__main__':
         main(sys.argv[1:])
     except (ValueError, TrainError) as e:  # ConfigError is a ValueError
         sys.exit(f"export.py: error: {e}")
+    except OSError as e:  # the model directory cannot be written
+        sys.exit(f"export.py: error: {e.filename or ''}: {e.strerror or e}")

@@ -332,18 +332,23 @@ def _selective_policy(ctx, op, *args, **kwargs):
 # kernels need CUDA; this one is plain PyTorch, runs on any device, and torch.compile fuses its elementwise ops.
 
 LOSS_CHUNK_LOGITS = 2 ** 26  # logits per chunk at most: 1024 tokens of GPT-2's vocabulary, 206 MB in fp32
+IGNORE_INDEX = -100  # a target that counts in neither the loss nor the mean, in both losses (F.cross_entropy's)
 
 
 def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0, with_grad=True):
     """The summed cross-entropy of a chunk of tokens, x (N, C) against targets (N,), and its gradient with
     respect to the chunk's logits (N, V), or None without with_grad. The one place where the loss meets the
-    logits: soft-capping (cap > 0, see softcap) is applied here, and its derivative, 1 - tanh^2, to the gradient."""
+    logits: soft-capping (cap > 0, see softcap) is applied here, and its derivative, 1 - tanh^2, to the gradient.
+    Rows whose target is IGNORE_INDEX are left out of the loss; their gradient rows are not zeroed here (that
+    would be a pass over the logits): ChunkedCrossEntropy drops them at (N, C), after and before the matmuls."""
     logits = softcap(F.linear(x, weight), cap)  # (N, V), in the autocast dtype
     logp = logits.log_softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 or fp64
     eps, V = label_smoothing, logp.size(-1)  # the target distribution: 1 - eps on the target, eps / V everywhere
-    loss = -(1 - eps) * logp.gather(1, targets[:, None]).sum()
+    kept = targets != IGNORE_INDEX
+    targets = targets.clamp(min=0)  # an ignored row's index: any valid one, its terms are masked
+    loss = -(1 - eps) * (logp.gather(1, targets[:, None]).squeeze(1) * kept).sum()
     if eps:  # (a whole pass over the logits: skipped without label smoothing)
-        loss = loss - eps / V * logp.sum()
+        loss = loss - eps / V * (logp.sum(dim=-1) * kept).sum()
     if not with_grad:  # evaluation
         return loss, None
     grad = logp.exp_()  # softmax (in place of logp), minus the target distribution
@@ -360,7 +365,8 @@ def cross_entropy_chunk(x, weight, targets, label_smoothing, cap=0.0, with_grad=
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """The mean cross-entropy of the logits x @ weight.T of N tokens (x: (N, C)), chunk_tokens at a time.
+    """The mean cross-entropy of the logits x @ weight.T of N tokens (x: (N, C)), chunk_tokens at a time, over
+    the tokens whose target is not IGNORE_INDEX (as F.cross_entropy: all of them ignored gives NaN).
 
     The gradients are computed in the forward pass, chunk by chunk, and kept for backward, which only scales
     them: grad_x (N, C) and grad_w (V, C, fp32) instead of the (N, V) logits, and the head's three matmuls run
@@ -373,21 +379,24 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         grad_x = torch.empty_like(x) if with_grad else None
         grad_w = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if with_grad else None
+        kept = (targets != IGNORE_INDEX)[:, None].to(x.dtype)  # (N, 1): 0 drops an ignored row's gradients
         for i in range(0, len(x), chunk_tokens):
             x_c, y_c = x[i:i + chunk_tokens], targets[i:i + chunk_tokens]  # (n, C), (n,)
             loss_c, grad_logits = cross_entropy_chunk(x_c, weight, y_c, label_smoothing, cap, with_grad)  # (), (n, V)
             loss += loss_c
             if with_grad:
-                grad_x[i:i + chunk_tokens] = grad_logits @ weight  # (n, C)
-                grad_w += grad_logits.t() @ x_c  # (V, C), summed in fp32 over the chunks
-        ctx.save_for_backward(grad_x, grad_w)
-        ctx.n_tokens, ctx.weight_dtype = len(x), weight.dtype
-        return loss / len(x)
+                kept_c = kept[i:i + chunk_tokens]
+                grad_x[i:i + chunk_tokens] = (grad_logits @ weight) * kept_c  # (n, C)
+                grad_w += grad_logits.t() @ (x_c * kept_c)  # (V, C), summed in fp32 over the chunks
+        n_kept = kept.sum(dtype=loss.dtype)  # a tensor: no host sync
+        ctx.save_for_backward(grad_x, grad_w, n_kept)
+        ctx.weight_dtype = weight.dtype
+        return loss / n_kept
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
-        scale = grad_loss / ctx.n_tokens
+        grad_x, grad_w, n_kept = ctx.saved_tensors
+        scale = grad_loss / n_kept
         return grad_x * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None, None, None
 
 
@@ -447,7 +456,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, label_smoothing=0.0, cache=None):
         """(logits, loss). Without targets: the logits (B, T, vocab_size) and None. With targets: None and the mean
         cross-entropy, computed in chunks that never hold all the logits (with loss_chunk_tokens=0: the plain
-        loss, and the logits with it)."""
+        loss, and the logits with it); targets equal to IGNORE_INDEX (-100) count in neither, as F.cross_entropy."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -479,7 +488,8 @@ class GPT(nn.Module):
         # the plain loss: all the logits, (B, T, vocab_size), and in fp32 (fp64 stays)
         logits = softcap(self.lm_head(x), self.config.logit_softcap)
         logits_32 = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(B * T, -1)
-        return logits, F.cross_entropy(logits_32, targets.reshape(-1), label_smoothing=label_smoothing)
+        return logits, F.cross_entropy(logits_32, targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                       label_smoothing=label_smoothing)
 
     # ------------------------------------------------------------------------------------------------
     # FLOPs and MFU
@@ -539,6 +549,12 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
     """One token id per row of logits (B, V): greedy at temperature 0, else sampled after top-k / top-p."""
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be at least 1 (None: off)")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be at least 0 (0: greedy)")
+    if vocab_limit is not None and vocab_limit < 1:
+        raise ValueError(f"vocab_limit={vocab_limit} must be at least 1 (None: every id)")
     if vocab_limit is not None:
         logits = logits.clone()
         logits[:, vocab_limit:] = float('-inf')

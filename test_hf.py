@@ -16,9 +16,11 @@ import copy
 import hashlib
 import io
 import json
-import re
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 os.environ['HF_HUB_OFFLINE'] = '1'  # before transformers is imported: nothing may come from the network
 
@@ -533,15 +535,39 @@ def test_export_loads_in_transformers_with_our_logits_and_tokens(tmp_path, name,
 @pytest.mark.parametrize('name', ['qwen3_wide', 'llama3_rope'])
 def test_hf_model_exports_back_as_it_came(hf_dirs, tmp_path, name):
     """In and out: a Hugging Face model read by model.py and exported again is, for transformers, the model it came
-    from: its config (head_dim, intermediate_size, RoPE parameters), our logits and greedy tokens."""
+    from: its whole config as transformers reads it (max_position_embeddings, rms_norm_eps, head_dim,
+    intermediate_size, RoPE parameters, ...), our logits and greedy tokens."""
     ours = ours_from_hf(hf_dirs[name])
     train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': ours.state_dict(), 'model_args': ours.config.to_dict(),
                                                       'meta': CHAR_META})
     export.main([f'--out_dir={tmp_path}'])
     assert_same_as_transformers(ours, tmp_path / 'hf', type(hf_model(hf_dirs[name])).__name__)
-    src, out = (transformers.AutoConfig.from_pretrained(d) for d in (hf_dirs[name], tmp_path / 'hf'))
-    for key in ('head_dim', 'intermediate_size', 'rope_parameters', 'num_key_value_heads', 'tie_word_embeddings'):
-        assert getattr(out, key) == getattr(src, key), key
+    src, out = (transformers.AutoConfig.from_pretrained(d).to_dict() for d in (hf_dirs[name], tmp_path / 'hf'))
+    # Reference: the source's config, every key. Allowed to differ: where it was read from; the bos / eos ids (a
+    # character vocabulary has neither; the source has LlamaConfig's defaults, 1 and 2); Qwen3's max_window_layers
+    # (its default 28, n_layer in ours), which only counts with use_sliding_window, False in both.
+    differ = {k: (src.get(k), out.get(k)) for k in src.keys() | out.keys() if src.get(k) != out.get(k)}
+    assert differ.keys() <= {'_name_or_path', 'bos_token_id', 'eos_token_id', 'max_window_layers'}, differ
+    assert not src.get('use_sliding_window')
+    assert out['max_position_embeddings'] == HF_COMMON['max_position_embeddings'] == ours.config.block_size
+
+
+@pytest.mark.parametrize('arch', ['LlamaForCausalLM', 'Qwen3ForCausalLM'])
+def test_keys_a_config_leaves_out_take_transformers_defaults(tmp_path, arch):
+    # Reference: transformers' reading of a config.json with only the required keys (no head_dim,
+    # num_key_value_heads, intermediate_size, rms_norm_eps, rope_theta, tie_word_embeddings,
+    # max_position_embeddings): each default, as its config class has it (Qwen3's head_dim is 128, not
+    # hidden_size / heads; its num_key_value_heads 32, not the heads' count)
+    config = dict(architectures=[arch], model_type='qwen3' if arch.startswith('Qwen3') else 'llama', hidden_size=256,
+                  num_attention_heads=64, num_hidden_layers=2, vocab_size=1000)
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    args, max_len = export.hf_model_args(str(tmp_path))
+    rope = getattr(theirs, 'rope_parameters', None) or {'rope_theta': theirs.rope_theta}
+    assert (args['head_dim'], args['n_kv_head'], args['mlp_hidden'], args['norm_eps'], args['rope_base'],
+            args['tie_embeddings'], max_len) == (theirs.head_dim, theirs.num_key_value_heads, theirs.intermediate_size,
+                                                 theirs.rms_norm_eps, rope['rope_theta'], theirs.tie_word_embeddings,
+                                                 theirs.max_position_embeddings)
 
 
 def test_export_bfloat16_and_refusals(tmp_path):
@@ -561,6 +587,25 @@ def test_export_bfloat16_and_refusals(tmp_path):
     our_checkpoint(tmp_path / 'x0.pt', seed=0, x0_mix=True)  # Llama's blocks read only the residual stream
     with pytest.raises(ValueError, match="x0_mix=True: Llama and Qwen3 have no path"):
         export.main([f'--out_dir={tmp_path}', '--ckpt=x0.pt'])
+    # checkpoints that are not what train.py saves: a tensor missing (named), a compiled model's names, a
+    # model_args key GPTConfig lacks
+    ckpt = train.load_checkpoint(str(tmp_path / 'ckpt.pt'))
+    for name, change, message in (
+            ('lacking.pt', lambda c: c['model'].pop('norm.weight'), "the checkpoint's weights lack norm.weight"),
+            ('compiled.pt', lambda c: c.update(model={f'_orig_mod.{k}': v for k, v in c['model'].items()}),
+             "lack wte.weight (its names start with _orig_mod.: saved from a compiled model)"),
+            ('unknown.pt', lambda c: c['model_args'].update(bias=True),
+             "unknown.pt: its model_args do not make a model.py config: ")):
+        bad = copy.deepcopy(ckpt)
+        change(bad)
+        train.save_checkpoint(str(tmp_path / name), bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            export.main([f'--out_dir={tmp_path}', f'--ckpt={name}'])
+    # a model directory that cannot be written: one line naming it, from the command line
+    proc = subprocess.run([sys.executable, 'export.py', f'--out_dir={tmp_path}', f'--hf_dir={tmp_path}/ckpt.pt/hf'],
+                          cwd=HERE, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.startswith('export.py: error: ') and 'Traceback' not in proc.stderr
+    assert str(tmp_path / 'ckpt.pt') in proc.stderr
 
 
 def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):

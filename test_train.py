@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time as time_module
@@ -279,6 +280,65 @@ def test_generate_greedy_with_cache_past_block_size(n_kv_head, qk_norm):
     assert len(set(want[:, 5:].flatten().tolist())) >= 4  # a meaningful sequence, not one repeated token
     # top_k=1 at temperature 1 is greedy too
     assert torch.equal(model.generate(prompt, 30, temperature=1.0, top_k=1), want)
+
+
+@pytest.mark.parametrize('prompt_len, steps', [(5, 30), (1, 15), (16, 3)])  # past B; up to B; a prefill of B
+def test_generate_uses_the_kv_cache_while_the_sequence_fits(monkeypatch, prompt_len, steps):
+    # Reference: the calls generate() must make, derived from block_size B and the prompt length P: one prefill
+    # of the P prompt tokens into an empty cache, then one token at a time against that same cache (its
+    # position the tokens before it) until the sequence reaches B; past B, each step is a full forward over
+    # the last B tokens without a cache. Outputs alone cannot show this: cached and uncached ones agree.
+    # use_cache=False: a full forward over the last (at most B) tokens at every step.
+    calls, forward = [], GPT.forward
+
+    def spy(self, idx, *args, cache=None, **kwargs):
+        calls.append((idx.size(1), None if cache is None else (id(cache), cache.pos)))
+        return forward(self, idx, *args, cache=cache, **kwargs)
+
+    monkeypatch.setattr(GPT, 'forward', spy)
+    model = tiny_model()
+    B = model.config.block_size
+    prompt = torch.randint(32, (2, prompt_len), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, steps, temperature=0, use_cache=True)
+    assert out.shape == (2, prompt_len + steps)
+    cache_id = calls[0][1][0] if calls[0][1] else None
+    decoded = min(steps - 1, B - prompt_len)  # steps whose sequence, the new token's input included, fits in B
+    want = ([(prompt_len, (cache_id, 0))] + [(1, (cache_id, pos)) for pos in range(prompt_len, prompt_len + decoded)]
+            + [(B, None)] * (steps - 1 - decoded))
+    assert calls == want
+    calls.clear()
+    model.generate(prompt, steps, temperature=0, use_cache=False)
+    assert calls == [(min(L, B), None) for L in range(prompt_len, prompt_len + steps)]
+
+
+def assert_frequencies(samples, probs):
+    """samples (a 1-d tensor of token ids) drawn from probs (a list): exactly the tokens of nonzero probability
+    appear, each at its probability within 5 standard errors of a frequency over len(samples) draws."""
+    n = len(samples)
+    counts = torch.bincount(samples, minlength=len(probs)).tolist()
+    assert {i for i, c in enumerate(counts) if c} == {i for i, p in enumerate(probs) if p > 0}, counts
+    for i, p in enumerate(probs):
+        assert abs(counts[i] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (i, counts[i] / n, p)
+
+
+# a hand-built distribution over 6 tokens, no two alike (so no top-k boundary is a tie): sorted 1, 3, 4, 5, 2, 0
+SAMPLING_PROBS = [0.05, 0.3, 0.1, 0.25, 0.18, 0.12]
+
+
+@pytest.mark.parametrize('temperature', [0.5, 1.0, 2.0])
+@pytest.mark.parametrize('top_k', [None, 2, 3, 5])
+def test_sampling_frequencies_follow_the_tempered_softmax_over_the_top_k(temperature, top_k):
+    # Reference: softmax(log p / temperature) computed here in float64, renormalized over the top_k most likely
+    # tokens found by sorting in Python; 20000 seeded samples must show exactly those tokens at those
+    # frequencies (assert_frequencies). Temperature 0.5 squares p, 2 takes its square root (before
+    # renormalizing): far apart from p and each other at this sample count, as is top_k from greedy.
+    n = 20000
+    keep = sorted(range(6), key=lambda i: -SAMPLING_PROBS[i])[:top_k or 6]
+    tempered = [p ** (1 / temperature) if i in keep else 0.0 for i, p in enumerate(SAMPLING_PROBS)]
+    want = [p / sum(tempered) for p in tempered]
+    logits = torch.tensor(SAMPLING_PROBS).log().repeat(n, 1)
+    samples = sample_next(logits, temperature, top_k=top_k, generator=torch.Generator().manual_seed(0)).squeeze(1)
+    assert_frequencies(samples, want)
 
 
 def test_top_k_one_is_greedy_and_top_k_stays_in_top_k():
@@ -637,6 +697,45 @@ def test_activation_checkpointing_same_loss_and_grads(dropout, monkeypatch):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-8, msg=n)
 
 
+@pytest.mark.parametrize('training', [True, False], ids=['train', 'eval'])
+def test_dropout_on_the_embeddings_and_on_each_blocks_attention_and_mlp_outputs(training):
+    # Reference: what each dropout receives, seen by forward hooks: the token embeddings (wte's output), each
+    # block's attention projection (proj's output) and MLP down projection (down's output). With dropout=0.5 in
+    # train mode, what goes on (block 0's input; the attention's and the MLP's outputs) is that, each element
+    # either zeroed or doubled (1 / (1 - p)), about half of them zeroed (within 5 standard errors); in eval
+    # mode it is that, unchanged.
+    model = tiny_model(dropout=0.5, n_layer=3).train(training)
+    seen = {}
+
+    def keep(name, where):  # a forward hook's output, or a pre-hook's input (which has no output)
+        def hook(module, args, out=None):
+            seen[name, where] = (args[0] if out is None else out).detach().clone()
+        return hook
+
+    model.wte.register_forward_hook(keep('embeddings', 'before'))
+    model.blocks[0].register_forward_pre_hook(keep('embeddings', 'after'))  # x0_mix is off: the embeddings' path
+    for i, block in enumerate(model.blocks):
+        for name, before, after in ((f'block {i} attention', block.attn.proj, block.attn),
+                                    (f'block {i} mlp', block.mlp.down, block.mlp)):
+            before.register_forward_hook(keep(name, 'before'))
+            after.register_forward_hook(keep(name, 'after'))
+    x, _ = random_batch(0, 4, 16, 32)
+    with torch.no_grad():
+        model(x)
+    names = ['embeddings'] + [f'block {i} {part}' for i in range(3) for part in ('attention', 'mlp')]
+    assert sorted(seen) == sorted((name, where) for name in names for where in ('before', 'after'))
+    for name in names:
+        before, after = seen[name, 'before'], seen[name, 'after']
+        live = before != 0  # not all in train mode: attention's own dropout can drop all of a query's keys
+        assert live.float().mean() > 0.9, name
+        if not training:
+            assert torch.equal(after, before), name
+            continue
+        assert torch.equal(after, torch.where(after != 0, before * 2, 0.0)), name
+        n = live.sum().item()
+        assert abs(((after == 0) & live).sum().item() / n - 0.5) <= 5 * math.sqrt(0.25 / n), name
+
+
 def draws_after_restore(draw):
     """draw() right after rng_state(), and again after set_rng_state() of that state, mid-stream."""
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
@@ -839,6 +938,44 @@ def test_sample_prints_text_from_the_vocabulary(runs):
     assert set(text) <= set(runs.meta['chars'])
 
 
+def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, capsys):
+    # Reference: greedy decoding by GPT.generate called here on the checkpoint's model, and the values given on
+    # the command line. sample.py at --temperature=0, at --top_k=1 and at a --top_p below any token's probability
+    # must print the greedy text; plain sampling at temperature 1 must not (the fresh model is near-uniform over
+    # its 32 ids), so settings that never reached generate would fail. The values reach generate as given
+    # (top_k=0: off).
+    import sample
+    model = tiny_model().eval()
+    chars = ''.join(chr(0x100 + i) for i in range(32))
+    train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
+                                                      'meta': dict(tokenizer='char', vocab_size=32, chars=chars)})
+    greedy = model.generate(torch.tensor([[3, 4, 5]] * 2), 20, temperature=0)
+    separator = '\n' + '-' * 80 + '\n'
+    greedy_text = ''.join(''.join(chars[i] for i in row) + separator for row in greedy.tolist())
+    seen, generate = [], GPT.generate
+
+    def spy(self, idx, max_new_tokens, **kwargs):
+        seen.append({k: kwargs[k] for k in ('temperature', 'top_k', 'top_p')})
+        return generate(self, idx, max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(GPT, 'generate', spy)
+
+    def run(*flags):
+        capsys.readouterr()
+        sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', '--num_samples=2',
+                     '--max_new_tokens=20', f'--start={chars[3:6]}', *flags])
+        return capsys.readouterr().out
+
+    assert run('--temperature=0') == greedy_text
+    assert run('--temperature=1.0', '--top_k=1') == greedy_text
+    assert run('--temperature=1.0', '--top_k=0', '--top_p=0.001') == greedy_text
+    assert run('--temperature=1.0', '--top_k=0') != greedy_text
+    run('--temperature=0.7', '--top_k=5', '--top_p=0.9')
+    assert seen == [dict(temperature=0.0, top_k=200, top_p=1.0), dict(temperature=1.0, top_k=1, top_p=1.0),
+                    dict(temperature=1.0, top_k=None, top_p=0.001), dict(temperature=1.0, top_k=None, top_p=1.0),
+                    dict(temperature=0.7, top_k=5, top_p=0.9)]
+
+
 def test_train_cli_reports_config_errors_without_traceback(tmp_path):
     # Reference: the misspelled flag and its suggestion on stderr, a non-zero exit, no traceback.
     proc = subprocess.run([sys.executable, 'train.py', '--learning_rat=1'], cwd=HERE, capture_output=True,
@@ -938,6 +1075,51 @@ def test_chunk_gradient_takes_the_same_values_in_its_compiled_form(monkeypatch, 
     assert torch.equal(loss, want_loss) and torch.equal(grad, want)
     assert (want[torch.arange(10), y] < 0).all()  # softmax minus the target distribution, times 1 - tanh^2 with a cap
     assert cap or (want.sum(1).abs() < 1e-12).all()  # without the cap, each row sums to 0
+
+
+@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
+def test_ignored_targets_count_in_neither_loss(monkeypatch, label_smoothing):
+    # Reference: the cross-entropy written out in float64 over the tokens whose target is not IGNORE_INDEX
+    # alone (as F.cross_entropy's ignore_index has it), from the logits of a forward without targets, and its
+    # autograd gradients. The chunked loss (chunks of 7, eager and in its compiled form) and the plain one
+    # give that loss and those gradients; a token ignored everywhere gives NaN, as F.cross_entropy does.
+    from model import IGNORE_INDEX
+    model = tiny_model(dtype=torch.float64, tie_embeddings=False)
+    x, y = random_batch(0, 3, 16, 32)
+    y = y.clone()  # (a view of the tokens x is a view of too)
+    y[0, :5], y[2, 7] = IGNORE_INDEX, IGNORE_INDEX
+    kept = y != IGNORE_INDEX
+    model.zero_grad(set_to_none=True)
+    logp = model(x)[0].log_softmax(dim=-1)[kept]  # (kept tokens, V)
+    per_token = -(1 - label_smoothing) * logp.gather(1, y[kept][:, None]).squeeze(1) - label_smoothing * logp.mean(1)
+    want_loss = per_token.sum() / kept.sum()
+    want_loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for chunk, compiling in ((7, False), (7, True), (0, False)):
+        monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: compiling)  # cross_entropy_chunk's two forms
+        loss, grads = loss_and_grads(model, x, y, chunk, label_smoothing)
+        torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-12, atol=0)
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-10, atol=1e-14, msg=(chunk, name))
+    for chunk in (7, 0):
+        model.loss_chunk_tokens = chunk
+        assert model(x, torch.full_like(y, IGNORE_INDEX))[1].isnan()
+
+
+@pytest.mark.parametrize('kwargs, message', [(dict(top_k=0), 'top_k=0 must be at least 1'),
+                                             (dict(top_k=-1), 'top_k=-1 must be at least 1'),
+                                             (dict(temperature=-1.0), 'temperature=-1.0 must be at least 0'),
+                                             (dict(temperature=float('nan')), 'temperature=nan must be at least 0'),
+                                             (dict(vocab_limit=0), 'vocab_limit=0 must be at least 1'),
+                                             (dict(top_p=0.0), 'top_p=0.0 must be in (0, 1]')])
+def test_sampling_settings_out_of_range_are_errors_naming_them(kwargs, message):
+    # Reference: the messages of sample_next's checks; without them, top_k=0 was a shape error from deep in
+    # torch, a negative temperature sampled from the inverted distribution and vocab_limit=0 a NaN error
+    logits = torch.randn(2, 10)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sample_next(logits, **{'temperature': 1.0, **kwargs})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_model().generate(torch.zeros(1, 2, dtype=torch.long), 3, **{'temperature': 1.0, **kwargs})
 
 
 def test_loss_chunk_size_keeps_a_chunk_of_logits_small():
@@ -1173,7 +1355,11 @@ def test_whole_split_eval_covers_every_window_once():
     assert list(splits) == ['val']
     model = tiny_model(dropout=0.5)  # eval mode matters
     losses = train.estimate_loss(model, splits, nullcontext())
-    assert model.training and losses == {'val': pytest.approx(windows_reference(model.eval(), tokens, T), rel=1e-6)}
+    assert model.training
+    eval_loss = windows_reference(model.eval(), tokens, T)
+    assert losses == {'val': pytest.approx(eval_loss, rel=1e-6)}
+    # an evaluation with dropout on would miss that by far (seen: 1e-3 relative): the check above can fail
+    assert windows_reference(model.train(), tokens, T) != pytest.approx(eval_loss, rel=1e-4)
 
 
 def test_get_lr_wsd_schedule():
