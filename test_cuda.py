@@ -554,24 +554,33 @@ def test_mfu_of_an_fp8_run_is_against_the_bf16_peak(monkeypatch):
     assert model.estimate_mfu(1e6, 'cuda', 'bfloat16', 16) == pytest.approx(model.flops_per_token(16) * 1e6 / 989.5e12)
 
 
-def test_mfu_is_logged_with_the_peak_it_is_against(tmp_path, monkeypatch):
-    # Reference: the metrics line's own tokens/s and the model's FLOPs per token over a peak given here (the
-    # CPU has none, so one is faked for float32); the log line and the report name the TF32 peak.
+@pytest.mark.parametrize('short, windows', [((), [8, 8]),
+                                             (('--short_block_size=2', '--short_block_iters=4'), [2, 2, 4, 4, 8, 8])],
+                         ids=['whole', 'short windows'])
+def test_mfu_is_logged_with_the_peak_it_is_against(tmp_path, monkeypatch, short, windows):
+    # Reference: the metrics line's own tokens/s and the model's FLOPs per token, at the window the step trained
+    # on, over a peak given here (the CPU has none, so one is faked for float32); the log line and the report
+    # name the TF32 peak. The windows by hand: block_size 8, or short_block_size 2 doubled halfway through
+    # short_block_iters=4 (iterations 1, 2 train on 2 tokens, 3, 4 on 4), whole from there; the attention
+    # FLOPs of a token grow with its window, so another window's FLOPs give another MFU.
     peak = 2e12
     monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': peak if dtype == 'float32'
                         else None)
     monkeypatch.setattr(train, 'peak_flops', model_module.peak_flops)
     data = write_data(tmp_path / 'data')
     code, out = main_capture(['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16',
-                              '--block_size=8', '--batch_size=4', '--eval_iters=2', '--max_iters=2', '--log_interval=1',
-                              f'--data_dir={data}', f'--out_dir={tmp_path / "o"}'])
+                              '--block_size=8', '--batch_size=4', '--eval_iters=2', f'--max_iters={len(windows)}',
+                              '--log_interval=1', *short, f'--data_dir={data}', f'--out_dir={tmp_path / "o"}'])
     assert code == 0
     assert 'MFU               of the TF32 peak, 2.0 TFLOP/s (cpu)' in out
     assert 'of TF32 peak, ' in out.split('iter 1: loss')[1].splitlines()[0]
     ckpt = train.load_checkpoint(str(tmp_path / 'o' / 'ckpt.pt'))
-    flops = GPT(GPTConfig(**ckpt['model_args'])).flops_per_token(8)
-    for record in (r for r in read_metrics(tmp_path / 'o') if 'loss' in r):
-        assert record['mfu'] == pytest.approx(flops * record['tokens_per_sec'] / peak, rel=1e-12)
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    records = [r for r in read_metrics(tmp_path / 'o') if 'loss' in r]
+    assert [r['iter'] for r in records] == list(range(1, len(windows) + 1))
+    for record, window in zip(records, windows):
+        want = model.flops_per_token(window) * record['tokens_per_sec'] / peak
+        assert record['mfu'] == pytest.approx(want, rel=1e-12), record['iter']
 
 
 # ====================================================================================================

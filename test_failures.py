@@ -210,6 +210,31 @@ def test_resume_is_bit_exact(reference_run, tmp_path, monkeypatch, capsys, how):
     assert not torch.equal(ckpt['model']['wte.weight'], b['model']['wte.weight'])
 
 
+def test_fp16_resume_is_bit_exact_with_the_scaler_state(data, tmp_path, capsys):
+    # Reference: the same 4 iterations in float16 (CPU autocast with a GradScaler) run straight through. Stopped
+    # at 2 and resumed, the run must log the same losses and end with equal weights, optimizer state and
+    # GradScaler state: the scaler's growth tracker counts the good steps at this scale, 4 straight through,
+    # where a resume that started a fresh scaler would end with 2.
+    def fp16(out, *extra):
+        return [a for a in args(data, out, *RESUME_FLAGS, '--eval_interval=2', *extra)
+                if not a.startswith('--dtype=')] + ['--dtype=float16']
+    straight, out = tmp_path / 'straight', tmp_path / 'out'
+    assert train.main(fp16(straight, '--max_iters=4')) == 0
+    assert 'GradScaler on' in capsys.readouterr().out
+    assert train.main(fp16(out, '--max_iters=2')) == 0
+    assert train.main(fp16(out, '--max_iters=4', '--init_from=resume')) == 0
+    assert f'resuming from {out / "ckpt.pt"} at iteration 2' in capsys.readouterr().out
+    want, got = deterministic(read_metrics(straight)), deterministic(read_metrics(out))
+    assert [r['iter'] for r in got if 'loss' in r] == list(range(1, 5))
+    assert got == want, f"straight {want}\nresumed  {got}"
+    a, b = load(straight / 'ckpt.pt'), load(out / 'ckpt.pt')
+    assert a['iter_num'] == b['iter_num'] == 4
+    assert a['scaler']['_growth_tracker'] == 4 and a['scaler']['scale'] == 2.0 ** 16  # no step overflowed
+    assert_same(a['scaler'], b['scaler'], 'scaler')
+    assert_same(a['model'], b['model'], 'model')
+    assert_same(a['optimizer'], b['optimizer'], 'optimizer')
+
+
 # ----------------------------------------------------------------------------------------------------
 # 2. atomic checkpoints
 
