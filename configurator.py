@@ -5,7 +5,8 @@ Config files and --key=value flags, read as data and never executed.
 
 Each script keeps its defaults as a dict of plain values (train.py: the commented globals at its top).
 Arguments are applied in order: config files (a .py file of literal assignments such as
-`n_layer = 6`), then flags. An unknown key is an error naming it and the closest real key; a value of
+`n_layer = 6`), then flags; a config file that sets a key an earlier flag set is an error (the flag would
+silently lose). An unknown key is an error naming it and the closest real key; a value of
 the wrong type is an error naming the key, the value and the expected type. An int is accepted where
 a float is expected; bools are written True/False.
 """
@@ -51,9 +52,12 @@ def _parse_flag_value(text, default):
 def read_config_file(path):
     """The {key: value} pairs of a config file made of literal assignments."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' does not exist")
-    with open(path) as f:
-        source = f.read()
+        raise ConfigError(f"config file '{path}' " + ("is a directory" if os.path.isdir(path) else "does not exist"))
+    try:
+        with open(path, encoding='utf-8') as f:
+            source = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError as e:
@@ -77,7 +81,7 @@ def read_config_file(path):
 
 def configure(defaults, argv):
     """Apply config files and --key=value flags from argv, in order, to a copy of defaults."""
-    config = dict(defaults)
+    config, flags = dict(defaults), {}
     for arg in argv:
         if arg.startswith('--'):
             key, sep, text = arg[2:].partition('=')
@@ -85,9 +89,12 @@ def configure(defaults, argv):
                 raise ConfigError(f"flag '{arg}' has no value: write --{key}=VALUE")
             _check_key(key, defaults, f"flag '{arg}'")
             value = _parse_flag_value(text, defaults[key])
-            config[key] = _check_type(key, value, defaults[key], f"flag '{arg}'")
+            config[key], flags[key] = _check_type(key, value, defaults[key], f"flag '{arg}'"), arg
         else:
             for key, value in read_config_file(arg).items():
                 _check_key(key, defaults, f"config file '{arg}'")
+                if key in flags:
+                    raise ConfigError(f"config file '{arg}' sets '{key}', which the flag '{flags[key]}' before it "
+                                      f"set: arguments apply in order, so put config files before flags")
                 config[key] = _check_type(key, value, defaults[key], f"config file '{arg}'")
     return config

@@ -15,7 +15,7 @@ import torch
 from configurator import configure, ConfigError
 from model import GPT, GPTConfig
 from prepare_data import get_tokenizer
-from train import TrainError, load_checkpoint, pick_device, pick_dtype
+from train import TrainError, check_device, load_checkpoint, pick_device, pick_dtype
 
 DEFAULTS = dict(
     out_dir='out',
@@ -39,15 +39,22 @@ def main(argv):
                     ('top_p', 0 < cfg['top_p'] <= 1)):
         if not ok:
             raise ConfigError(f"{key}={cfg[key]} is out of range (see the defaults in sample.py)")
+    check_device(cfg['device'])
     device = pick_device(cfg['device'])
     device_type = torch.device(device).type
     dtype, _ = pick_dtype(cfg['dtype'], device_type)
-    ckpt = load_checkpoint(f"{cfg['out_dir']}/{cfg['ckpt']}", device)
+    path = f"{cfg['out_dir']}/{cfg['ckpt']}"
+    ckpt = load_checkpoint(path)  # to the CPU: the optimizer's state never reaches the device
+    if missing := [k for k in ('model', 'model_args', 'meta') if k not in ckpt]:
+        raise TrainError(f"{path} is not a checkpoint of train.py: it lacks {', '.join(missing)}")
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     model.to(device).eval()
     meta = ckpt['meta']
-    encode, decode = get_tokenizer(meta)
+    try:
+        encode, decode = get_tokenizer(meta)
+    except ValueError as e:  # a tokenizer that cannot be had here (tiktoken's files offline, a moved tokenizer.json)
+        raise TrainError(f"{path}: its tokenizer: {e}") from None
 
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
@@ -62,7 +69,10 @@ def main(argv):
         raise ConfigError(f"--start: {e}") from None
     if not ids:
         raise ConfigError("--start is empty: give at least one character of prompt")
-    ids = ids[-model.config.block_size:]
+    if len(ids) > model.config.block_size:
+        print(f"sample.py: the prompt's {len(ids)} tokens are cut to the model's block_size, its last "
+              f"{model.config.block_size}", file=sys.stderr)
+        ids = ids[-model.config.block_size:]
     x = torch.tensor([ids] * cfg['num_samples'], dtype=torch.long, device=device)
     generator = torch.Generator(device).manual_seed(cfg['seed'])
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import model as model_module
+import prepare_data
 import train
 from configurator import ConfigError
 from conftest import assert_same, deterministic, load, read_metrics, write_dataset
@@ -594,6 +595,51 @@ def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_p
     assert lr5 == [pytest.approx(0.001 + 0.5 * (0.02 - 0.001), rel=1e-12)]
 
 
+def test_resume_counts_the_tokens_each_iteration_took(data, tmp_path):
+    # Reference: tokens by hand: 2 iterations of 4 x 8, then 2 of 8 x 8 x 2 micro-batches after a resume that
+    # changed the batch; before the count, metrics.jsonl multiplied the iteration by the batch of now (320)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', '--batch_size=8',
+                           '--gradient_accumulation_steps=2')) == 0
+    tokens = {r['iter']: r['tokens'] for r in read_metrics(out)}
+    assert tokens == {0: 0, 1: 32, 2: 64, 3: 64 + 128, 4: 64 + 256}
+    assert load(out / 'ckpt.pt')['tokens'] == 64 + 256
+
+
+def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_path, monkeypatch, capsys, save_log):
+    # Reference: best.pt's saves. Evaluated on other val data (data_dir changed), a loss above the old best
+    # (4.5 > 4.0) is the best so far on that data: best.pt is written, and the reset said; resumed on the same
+    # data, it is not (test_best_keeps_the_best_weights_and_ckpt_the_latest)
+    out, other = tmp_path / 'out', write_data(tmp_path / 'other', seed=1)
+    scripted_eval(monkeypatch, [5.0, 4.0])
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    save_log.clear()
+    scripted_eval(monkeypatch, [4.5])
+    capsys.readouterr()
+    assert train.main(args(other, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume')) == 0
+    assert 'best val loss reset: data_dir, eval_iters, batch_size, block_size, seed' in capsys.readouterr().out
+    assert [(name, it) for name, it, _ in save_log] == [('best.pt', 4), ('ckpt.pt', 4)]
+    assert load(out / 'best.pt')['best_val_loss'] == 4.5
+
+
+@pytest.mark.parametrize('flag, change', [('--optimizer=muon', "optimizer: 'adamw' -> 'muon'"),
+                                          ('--optimizer=adamw8bit', "optimizer: 'adamw' -> 'adamw8bit'")])
+def test_resume_with_another_optimizer_is_an_error_naming_it(data, tmp_path, flag, change):
+    # Reference: the setting as changed; before, the optimizer state failed to load with a KeyError from torch
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    before = read_bytes(out / 'ckpt.pt')
+    with pytest.raises(train.TrainError, match=re.escape(change)) as e:
+        train.main(args(data, out, '--max_iters=4', '--init_from=resume', flag))
+    assert 'holds the state of another optimizer' in str(e.value) and read_bytes(out / 'ckpt.pt') == before
+
+
+def test_a_cpu_device_with_an_index_trains(data, tmp_path):
+    # Reference: the run ends normally; torch.cuda.set_device('cpu:0') was an error
+    assert train.main(args(data, tmp_path / 'out', '--device=cpu:0', '--max_iters=1')) == 0
+
+
 NEW_MODEL_KEYS = ('head_dim', 'mlp_hidden', 'rope_scaling_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
                   'rope_original_max_len')
 
@@ -964,6 +1010,33 @@ def test_sample_decodes_with_the_checkpoints_vocabulary(data, tmp_path, capsys):
     assert sample_text() == reference
 
 
+def test_sample_errors_name_the_device_the_checkpoint_and_the_tokenizer(data, tmp_path, capsys, monkeypatch):
+    # Reference: the messages. Without these checks a device this machine lacks was reported as a corrupt
+    # checkpoint (it was loaded onto that device), a .pt file without the training entries and a tokenizer that
+    # cannot be loaded here (tiktoken's files offline) were tracebacks; a prompt longer than block_size was
+    # cut without a word
+    import sample
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    base = [f'--out_dir={out}', '--device=cpu', '--max_new_tokens=2', '--num_samples=1']
+    with pytest.raises(ConfigError, match=re.escape("device='cuda:7', but this machine has")):
+        sample.main([*base, '--device=cuda:7'])
+    ckpt = load(out / 'ckpt.pt')
+    torch.save({'model': ckpt['model']}, out / 'weights.pt')
+    with pytest.raises(train.TrainError, match=re.escape(f"{out}/weights.pt is not a checkpoint of train.py: it "
+                                                         f"lacks model_args, meta")):
+        sample.main([*base, '--ckpt=weights.pt'])
+    torch.save({**ckpt, 'meta': dict(tokenizer='gpt2', vocab_size=V)}, out / 'bpe.pt')
+    monkeypatch.setattr(sample, 'get_tokenizer', lambda meta: prepare_data.load_bpe('no-such-encoding'))
+    with pytest.raises(train.TrainError, match=re.escape(f"{out}/bpe.pt: its tokenizer: tokenizer 'no-such-encoding' "
+                                                         "could not be loaded")):
+        sample.main([*base, '--ckpt=bpe.pt'])
+    monkeypatch.undo()
+    capsys.readouterr()
+    sample.main([*base, f'--start={ckpt["meta"]["chars"][0] * 20}'])  # block_size 8
+    assert "the prompt's 20 tokens are cut to the model's block_size, its last 8" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------------
 # 11. file-system failures: one line naming the path, before training where they can be seen then
 
@@ -1263,15 +1336,20 @@ def test_bad_value_from_the_command_line(data, tmp_path):
      ['muon_split=True', 'muon_ns_steps=3', "muon_dtype='float32'"]),
     (['--lr_schedule=cosine', '--wsd_decay_frac=0.4'], ['wsd_decay_frac=0.4']),
     (['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.4'], []),
+    (['--compile_mode=max-autotune', '--fp8_recipe=rowwise', '--wandb_project=p', '--wandb_run_name=r'],
+     ["compile_mode='max-autotune'", "fp8_recipe='rowwise'", "wandb_project='p'", "wandb_run_name='r'"]),
 ])
 def test_a_setting_that_this_run_does_not_read_is_a_warning(data, tmp_path, capsys, flags, named):
-    # Reference: the flags given. A Muon-only setting under AdamW, or the WSD decay fraction under cosine,
-    # changes nothing: the run goes on (max_iters=0: set-up and the first evaluation only) and says so on
+    # Reference: the flags given. A Muon-only setting under AdamW, the WSD decay fraction under cosine, a
+    # compile mode without compile, an FP8 recipe without FP8, wandb's names without wandb, change nothing: the
+    # run goes on (max_iters=0: set-up and the first evaluation only) and says so on
     # stderr, once per setting, naming it and what it applies to; the same settings where they apply, none.
     assert train.main(args(data, tmp_path / 'out', '--max_iters=0', *flags)) == 0
     warnings = re.findall(r'^warning: (.*has no effect.*)$', capsys.readouterr().err, re.M)
     assert [w.split(' ')[0] for w in warnings] == named, warnings
-    assert all(("optimizer='muon'" if 'muon' in w else "lr_schedule='wsd'") in w for w in warnings), warnings
+    applies = {'muon': "optimizer='muon'", 'wsd': "lr_schedule='wsd'", 'compile': 'compile=True', 'fp8': 'fp8=True',
+               'wandb': 'wandb_log=True'}
+    assert all(next(v for k, v in applies.items() if w.startswith(k)) in w for w in warnings), warnings
 
 
 @pytest.mark.parametrize('flags, want', [

@@ -794,6 +794,17 @@ def test_wrong_type_names_key_value_and_type(arg, key, value, expected):
     assert key in msg and value in msg and expected in msg
 
 
+def test_config_file_that_is_a_directory_or_not_utf8(tmp_path):
+    # Reference: the messages; without these checks, a directory was said not to exist and a Latin-1 file
+    # ended in a UnicodeDecodeError traceback
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{tmp_path}' is a directory")):
+        configure(train.DEFAULTS, [str(tmp_path)])
+    path = tmp_path / 'latin1.py'
+    path.write_bytes("out_dir = 'caf\u00e9'\n".encode('latin-1'))
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{path}' is not UTF-8 text (byte 14)")):
+        configure(train.DEFAULTS, [str(path)])
+
+
 def test_wrong_type_in_config_file(tmp_path):
     # Reference: the key, the value and the default's type, as for flags.
     path = tmp_path / 'cfg.py'
@@ -831,12 +842,16 @@ def test_config_file_is_never_executed(tmp_path, source):
 
 
 def test_later_arguments_override_earlier(tmp_path):
-    # Reference: argv order; the last mention of a key wins, whether it is a flag or a file.
+    # Reference: argv order; the last mention of a key wins, a flag over a file, a flag or a file over a file;
+    # but a file that would override an earlier flag is an error naming both (the flag would silently lose)
     a, b = tmp_path / 'a.py', tmp_path / 'b.py'
     a.write_text("n_layer = 3\nbatch_size = 5\n")
     b.write_text("n_layer = 4\n")
     assert configure(train.DEFAULTS, [str(a), '--n_layer=7'])['n_layer'] == 7
-    assert configure(train.DEFAULTS, ['--n_layer=7', str(a)])['n_layer'] == 3
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{a}' sets 'n_layer', which the flag "
+                                                    "'--n_layer=7' before it set: ")):
+        configure(train.DEFAULTS, ['--n_layer=7', str(a)])
+    assert configure(train.DEFAULTS, ['--n_head=2', str(a)])['n_layer'] == 3  # a flag the file leaves alone
     assert configure(train.DEFAULTS, [str(a), str(b)])['n_layer'] == 4
     assert configure(train.DEFAULTS, [str(b), str(a)])['n_layer'] == 3
     assert configure(train.DEFAULTS, ['--n_layer=7', '--n_layer=8'])['n_layer'] == 8

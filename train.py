@@ -105,7 +105,7 @@ rope_base = 10000.0
 logit_softcap = 0.0             # > 0: logits = softcap * tanh(logits / softcap) (Gemma 2); 0: off
 zero_init_proj = False          # the projections into the residual stream (attn.proj, mlp.down) start at zero
 x0_mix = False                  # each block after the first adds a learned multiple of the token embeddings
-label_smoothing = 0.0
+label_smoothing = 0.0           # the training loss logged includes it; evaluations report the plain loss
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps
 batch_size = 12
 gradient_accumulation_steps = 1
@@ -120,7 +120,7 @@ muon_dtype = 'auto'             # muon: Newton-Schulz in 'float32' or 'bfloat16'
 optimizer_offload = False       # keep AdamW's state in CPU memory (torchao; one CUDA GPU)
 learning_rate = 6e-4            # muon uses it too: its updates are scaled to AdamW's RMS
 weight_decay = 0.1              # applied to matrices only, never to norms
-beta1 = 0.9
+beta1 = 0.9                     # AdamW's (muon: its matrices' momentum is Muon's 0.95; beta1 is its AdamW's)
 beta2 = 0.95
 grad_clip = 1.0                 # clip the global gradient norm to this; 0 disables clipping
 # learning rate: linear warmup, then a decay to min_lr at lr_decay_iters, then min_lr
@@ -160,6 +160,10 @@ PEAK_LABEL = {'bfloat16': 'bf16', 'float16': 'fp16', 'float32': 'TF32'}  # the p
 PLOT_EVERY_S = 30
 CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
                    'batches', 'rng', 'evaluated')
+# what a resumed run must not change for the checkpoint's optimizer state to load
+OPTIMIZER_KEYS = ('optimizer', 'optimizer_offload')
+# what the val losses depend on besides the model: changed on resume, the best val loss so far no longer compares
+EVAL_KEYS = ('data_dir', 'eval_iters', 'batch_size', 'block_size', 'seed')
 
 
 class TrainError(RuntimeError):
@@ -912,7 +916,9 @@ def check_device(name):
 # would change nothing, and report() says so rather than let a run look like it used them
 APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimizer', 'muon'),
                 'muon_dtype': ('optimizer', 'muon'),
-                'wsd_decay_frac': ('lr_schedule', 'wsd')}
+                'wsd_decay_frac': ('lr_schedule', 'wsd'), 'compile_mode': ('compile', True),
+                'fp8_recipe': ('fp8', True), 'wandb_project': ('wandb_log', True),
+                'wandb_run_name': ('wandb_log', True)}
 
 
 def setting_warnings(cfg):
@@ -949,7 +955,7 @@ def main(argv):
     device = pick_device(cfg.device)
     if world > 1 and torch.device(device).type == 'cuda':
         device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per process, whatever index was asked for
-    if torch.device(device).index is not None:
+    if torch.device(device).type == 'cuda' and torch.device(device).index is not None:
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
@@ -1069,7 +1075,7 @@ def start_or_resume(r):
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     r.plot_path, r.plotted_at = os.path.join(cfg.out_dir, 'metrics.png'), time.time()  # first drawn PLOT_EVERY_S in
-    r.iter_num, r.best_val_loss, r.rng, r.metrics_lost = 0, math.inf, None, 0
+    r.iter_num, r.tokens, r.best_val_loss, r.rng, r.metrics_lost = 0, 0, math.inf, None, 0
     r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
     r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
     if cfg.init_from != 'resume':
@@ -1098,14 +1104,24 @@ def start_or_resume(r):
     changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
+    if optimizer_diff := config_diff(saved, vars(cfg), OPTIMIZER_KEYS):
+        raise TrainError(f"{r.ckpt_path} holds the state of another optimizer than this config's:\n"
+                         + "\n".join(optimizer_diff) + "\nresume with the checkpoint's optimizer settings")
     set_model_state_dict(r.model, ckpt['model'], options=FULL_STATE)
     if ckpt['scaler'] and r.scaler.is_enabled():  # a bf16/fp32 run's scaler state is empty: start afresh
         r.scaler.load_state_dict(ckpt['scaler'])
     r.batches.load_state_dict(ckpt['batches'])
     r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
+    # (a checkpoint from before the count: its tokens per iteration, every iteration)
+    r.tokens = ckpt.get('tokens', r.iter_num * saved['batch_size'] * saved['block_size']
+                        * saved['gradient_accumulation_steps'])
     r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
+    if config_diff(saved, vars(cfg), EVAL_KEYS) and r.best_val_loss < math.inf:
+        say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
+            f"the next evaluation's model is written to {r.best_path}")
+        r.best_val_loss = math.inf
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
 
@@ -1442,7 +1458,8 @@ def save(r, *paths):
         dist.all_gather_object(rngs, rng_state())
     state = {'model': get_model_state_dict(r.model, options=FULL_STATE),
              'optimizer': optimizer_state(r),
-             'scaler': r.scaler.state_dict(), 'iter_num': r.iter_num, 'best_val_loss': r.best_val_loss,
+             'scaler': r.scaler.state_dict(), 'iter_num': r.iter_num, 'tokens': r.tokens,
+             'best_val_loss': r.best_val_loss,
              'config': vars(r.cfg), 'model_args': r.model_config.to_dict(), 'meta': r.meta,
              'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv), 'init_from': r.init_from,
              'evaluated': r.last_eval == r.iter_num}
@@ -1503,7 +1520,7 @@ def train_loop(r):
         nonlocal saved_iter, t0, t0_iter
         losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
         say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
-        log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg),
+        log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens,
                         **{f'{split}_loss': loss for split, loss in losses.items()}})
         plot_metrics(r, final=r.iter_num >= cfg.max_iters)  # the last one is drawn whatever the time
         r.last_eval = r.iter_num
@@ -1533,7 +1550,7 @@ def train_loop(r):
             window = window_at(r.iter_num, cfg)
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
                                         cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
-            r.iter_num += 1
+            r.iter_num, r.tokens = r.iter_num + 1, r.tokens + tokens_per_iter(cfg)
             if not ok:
                 bad_steps, skipped = bad_steps + 1, skipped + 1
                 say(f"iter {r.iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
@@ -1557,7 +1574,7 @@ def train_loop(r):
                     + (f"mfu {100 * mfu:.1f}% of {PEAK_LABEL[r.dtype]} peak, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
-                log_metrics(r, {'iter': r.iter_num, 'tokens': r.iter_num * tokens_per_iter(cfg), 'loss': loss, 'lr': lr,
+                log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, 'loss': loss, 'lr': lr,
                                 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': mem})
                 if not state_reported:  # the state exists once a step has run
                     say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
