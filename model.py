@@ -22,6 +22,7 @@ Features, each findable by name below:
   'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
 - The loss without the full logits (ChunkedCrossEntropy, `model.loss_chunk_tokens`): the head's matmul,
   cross-entropy and their gradients a chunk of tokens at a time; forward returns logits only without targets.
+  Targets equal to IGNORE_INDEX (-100) count in neither loss, as in F.cross_entropy.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
   device's peak (PEAK_FLOPS: A100, H100, H200, H800, GH200, L40S, L40, L4, RTX 4090; None elsewhere).
 - generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().

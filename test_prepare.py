@@ -4,6 +4,7 @@ Python's own sorted character set, tiktoken's encode_ordinary of the whole file,
 
     python -m pytest -q test_prepare.py
 """
+import errno
 import glob
 import gzip
 import importlib.util
@@ -261,6 +262,105 @@ def test_crash_while_renaming_leaves_no_meta(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / 'out')) == ['train.bin', 'val.bin']  # incomplete: no meta
 
 
+def input_not_read(monkeypatch):
+    """Reading the input fails the test: the data_dir check must come before it."""
+    def read(*a, **k):
+        raise AssertionError('the input was read before data_dir was checked')
+    monkeypatch.setattr(prepare_data, 'text_sizes', read)
+
+
+def fail_open(monkeypatch, match, code):
+    """prepare_data's open() of a path that match()es fails as in a read-only directory (EACCES, at once) or on
+    a full disk (ENOSPC: the file opened is /dev/full, where every write fails)."""
+    if code == errno.ENOSPC and not os.path.exists('/dev/full'):
+        pytest.skip('needs /dev/full')
+    real_open = open
+
+    def fake(path, mode='r', *a, **k):
+        if not match(os.fspath(path)):
+            return real_open(path, mode, *a, **k)
+        if code == errno.ENOSPC:
+            return real_open('/dev/full', mode, *a, **k)
+        raise OSError(code, os.strerror(code), os.fspath(path))
+    monkeypatch.setattr(prepare_data, 'open', fake, raising=False)
+
+
+def fail_for(monkeypatch, name, match, code):
+    """os.<name>(path, ...) raises OSError(code) naming path when match(path), and calls through otherwise."""
+    real = getattr(os, name)
+
+    def fake(path, *a, **k):
+        if match(os.fspath(path)):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return real(path, *a, **k)
+    monkeypatch.setattr(os, name, fake)
+
+
+@pytest.mark.parametrize('fault', ['a-file', 'under-a-file', 'mkdir-EACCES', 'open-EACCES', 'write-ENOSPC'])
+def test_data_dir_that_cannot_be_written_is_an_error_before_the_input_is_read(tmp_path, monkeypatch, fault):
+    # Reference: the path and the OS's reason in one line (no traceback), before the input is read; a file
+    # at data_dir's path untouched; nothing left in data_dir
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    out = tmp_path / 'out'
+    if fault == 'a-file':
+        out.write_bytes(b'notes')
+        reason = 'is a file, not a directory'
+    elif fault == 'under-a-file':
+        out = tmp_path / 'a.txt' / 'out'
+        reason = 'Not a directory'
+    elif fault == 'mkdir-EACCES':
+        fail_for(monkeypatch, 'mkdir', lambda p: p == str(out), errno.EACCES)
+        reason = 'Permission denied'
+    elif fault == 'open-EACCES':  # root writes to a read-only directory: the error is faked
+        out.mkdir()
+        fail_open(monkeypatch, lambda p: os.path.dirname(p) == str(out), errno.EACCES)
+        reason = 'Permission denied'
+    else:
+        fail_open(monkeypatch, lambda p: os.path.dirname(p) == str(out), errno.ENOSPC)
+        reason = 'No space left on device'
+    input_not_read(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={path}', f'--data_dir={out}'])
+    monkeypatch.undo()
+    msg = str(e.value.code)
+    assert msg.startswith('prepare_data.py: error: ') and str(out) in msg and reason in msg and '\n' not in msg, msg
+    if out.is_dir():
+        assert os.listdir(out) == []
+    if fault == 'a-file':
+        assert out.read_bytes() == b'notes'
+        run = subprocess.run([sys.executable, os.path.join(HERE, 'prepare_data.py'), f'--input={path}',
+                              f'--data_dir={out}'], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and run.stderr == msg + '\n', run.stderr  # no traceback
+
+
+@pytest.mark.parametrize('fault', ['write-ENOSPC', 'replace-EACCES'])
+def test_write_error_names_the_file_and_leaves_no_complete_looking_dataset(tmp_path, monkeypatch, fault):
+    # the data_dir check passes, then writing train.bin (or renaming it into place) fails: one line naming the
+    # file, no .tmp left, and no meta.json beside .bin files it does not describe (the old dataset, if intact)
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    out = tmp_path / 'out'
+    prepare(path, 'char', str(out), 0.1)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    new = write(tmp_path / 'b.txt', 'other\ntext\n' * 10)
+    train_tmp = str(out / 'train.bin.tmp')
+    if fault == 'write-ENOSPC':
+        fail_open(monkeypatch, lambda p: p == train_tmp, errno.ENOSPC)
+        reason = 'No space left on device'
+    else:
+        fail_for(monkeypatch, 'replace', lambda p: p == train_tmp, errno.EACCES)
+        reason = 'Permission denied'
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={new}', f'--data_dir={out}'])
+    monkeypatch.undo()
+    msg = str(e.value.code)
+    assert msg.startswith('prepare_data.py: error: ') and train_tmp in msg and reason in msg and '\n' not in msg, msg
+    after = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    if fault == 'write-ENOSPC':
+        assert after == before  # failed before anything was replaced
+    else:
+        assert sorted(after) == ['train.bin', 'val.bin']  # the old meta.json is gone: incomplete
+
+
 def test_invalid_utf8_becomes_replacement_character(tmp_path):
     (tmp_path / 'a.txt').write_bytes(b'caf\xc3\xa9 \xff bad byte\n' * 20)
     meta = prepare(str(tmp_path / 'a.txt'), 'char', str(tmp_path / 'out'), 0.1)
@@ -440,6 +540,21 @@ def test_mixed_inputs_streamed_in_tiny_chunks(tmp_path, monkeypatch, tokenizer):
         assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == ''.join(docs)
 
 
+def test_json_is_read_as_json_lines(tmp_path):
+    # reference: the same records as .jsonl and as .json.gz; braces, keys and ids never reach the vocabulary
+    docs = documents()
+    for kind in ('jsonl', 'json', 'json.gz'):
+        prepare(write_records(tmp_path, docs, kind), 'char', str(tmp_path / kind), 0.1)
+    meta, train, val = load(tmp_path / 'jsonl')
+    assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == ''.join(docs)
+    for kind in ('json', 'json.gz'):
+        for name in ('train.bin', 'val.bin'):
+            assert (tmp_path / kind / name).read_bytes() == (tmp_path / 'jsonl' / name).read_bytes(), (kind, name)
+        other = load(tmp_path / kind)[0]
+        assert other.pop('sources') == [str(tmp_path / f'docs.{kind}')]
+        assert other == {k: v for k, v in meta.items() if k != 'sources'}, kind
+
+
 def bad_jsonl(tmp_path, line):
     good = ''.join(json.dumps({'text': f'document {i}\n'}) + '\n' for i in range(5))
     return write(tmp_path / 'bad.jsonl', good + '\n' + line + '\n' + good)  # a blank line 6, the bad one 7
@@ -467,6 +582,15 @@ BAD_RECORDS = {
     'number': (lambda t: bad_jsonl(t, '{"text": 42}'), r"bad\.jsonl, line 7: field 'text' is not a string but 42"),
     'null': (lambda t: bad_jsonl(t, '{"text": null}'), r"bad\.jsonl, line 7: field 'text' is not a string but null"),
     'not an object': (lambda t: bad_jsonl(t, '["text"]'), r'bad\.jsonl, line 7: a JSON object was expected'),
+    'pretty-printed array': (lambda t: write(t / 'data.json', json.dumps([{'text': 'a'}, {'text': 'b'}], indent=2)),
+                             r'data\.json, line 1: broken JSON at the end of the line: Expecting value.*'
+                             r'read as JSON lines, one JSON object per line'),
+    'pretty-printed object': (lambda t: write(t / 'data.json', json.dumps({'text': 'a', 'id': 1}, indent=2)),
+                              r'data\.json, line 1: broken JSON at the end of the line: Expecting property name.*'
+                              r'read as JSON lines, one JSON object per line'),
+    'array on one line': (lambda t: write(t / 'data.json', json.dumps([{'text': 'a'}, {'text': 'b'}])),
+                          r'data\.json, line 1: a JSON object was expected, not \[.*'
+                          r'read as JSON lines, one JSON object per line'),
     'no column': (lambda t: bad_parquet(t, content=['a', 'b']), r"bad\.parquet: no column 'text' \(columns: content\)"),
     'int column': (lambda t: bad_parquet(t, text=[1, 2]), r"bad\.parquet: column 'text' holds int64, not strings"),
     'null row': (lambda t: bad_parquet(t, text=['a', 'b', 'c', 'd', None, 'f']),
