@@ -344,6 +344,7 @@ def run_rung(s, env, timed=nullcontext):
                     loss = step()[0]
                 loss = loss.item()  # waits for the device (CUDA, MPS) to finish
                 times.append((time.perf_counter() - t0) / env.steps)
+        peak = torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device_type == 'cuda' else None
         x, y = batches.next()  # one more micro-step, untimed, to count what it saves for backward
         with autocast:
             micro_loss, saved = activation_bytes(model, lambda: net(x, y)[1], eager=not s['compile'])
@@ -353,7 +354,7 @@ def run_rung(s, env, timed=nullcontext):
     tokens_per_sec = env.batch_size * env.block_size * env.gradient_accumulation_steps / (ms / 1000)
     return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
                 mfu=model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size),
-                peak_mem_mb=torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device_type == 'cuda' else None,
+                peak_mem_mb=peak,  # over the timed steps only
                 activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20,
                 **({'timed': watcher} if watcher is not None else {}))
 

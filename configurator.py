@@ -8,11 +8,12 @@ Arguments are applied in order: config files (a .py file of literal assignments 
 `n_layer = 6`), then flags; a config file that sets a key an earlier flag set is an error (the flag would
 silently lose). An unknown key is an error naming it and the closest real key; a value of
 the wrong type is an error naming the key, the value and the expected type. An int is accepted where
-a float is expected; bools are written True/False.
+a float is expected; bools are written True/False. --help (or -h) prints every key with its default.
 """
 import ast
 import difflib
 import os
+import sys
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,10 @@ def configure(defaults, argv):
     """Apply config files and --key=value flags from argv, in order, to a copy of defaults."""
     config, flags = dict(defaults), {}
     for arg in argv:
+        if arg in ('--help', '-h'):
+            print("arguments: config files (`key = value` lines), then --key=value flags. The keys, with their "
+                  "defaults:\n" + '\n'.join(f"  {k} = {v!r}" for k, v in defaults.items()))
+            sys.exit(0)
         if arg.startswith('--'):
             key, sep, text = arg[2:].partition('=')
             if not sep:

@@ -732,12 +732,18 @@ def bad_data(kind, d):
         with open(p('meta.json'), 'w') as f:
             f.write('{"tokenizer": "char", "vocab_')  # cut short
         return p('meta.json'), []
+    if kind == 'meta-wrong-values':               # hand-edited: a dtype numpy lacks, a count as a string
+        write_data(d)
+        meta = json.load(open(p('meta.json')))
+        meta.update(dtype='uint17', train_tokens='2000')
+        json.dump(meta, open(p('meta.json'), 'w'))
+        return p('meta.json'), ["train_tokens='2000'", "dtype='uint17'"]
     raise AssertionError(kind)
 
 
 BAD_DATA = ['missing-train.bin', 'missing-val.bin', 'missing-meta.json', 'train-shorter-than-block', 'val-empty',
             'token-id-past-vocab', 'token-id-in-padding', 'meta-count-mismatch', 'odd-byte-count',
-            'meta-without-token-counts', 'meta-not-json']
+            'meta-without-token-counts', 'meta-not-json', 'meta-wrong-values']
 
 
 @pytest.mark.parametrize('kind', BAD_DATA)

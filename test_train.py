@@ -794,6 +794,16 @@ def test_wrong_type_names_key_value_and_type(arg, key, value, expected):
     assert key in msg and value in msg and expected in msg
 
 
+@pytest.mark.parametrize('flag', ['--help', '-h'])
+def test_help_lists_every_key_with_its_default(flag, capsys):
+    # Reference: train.DEFAULTS, each key once with its repr; nothing after --help is read (a bad key there)
+    with pytest.raises(SystemExit) as e:
+        configure(train.DEFAULTS, [flag, '--no_such_key=1'])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert lines == [f"  {k} = {v!r}" for k, v in train.DEFAULTS.items()]
+
+
 def test_config_file_that_is_a_directory_or_not_utf8(tmp_path):
     # Reference: the messages; without these checks, a directory was said not to exist and a Latin-1 file
     # ended in a UnicodeDecodeError traceback

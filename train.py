@@ -246,6 +246,12 @@ def read_meta(data_dir):
     missing = [k for k in ('tokenizer', 'vocab_size', 'dtype', 'train_tokens', 'val_tokens') if k not in meta]
     if missing:
         raise TrainError(f"{path} lacks {', '.join(missing)}: prepare the data again")
+    wrong = [f"{k}={meta[k]!r}" for k in ('vocab_size', 'train_tokens', 'val_tokens')
+             if type(meta[k]) is not int or meta[k] < 0] + ([] if meta['dtype'] in ('uint16', 'uint32') else
+                                                             [f"dtype={meta['dtype']!r}"])
+    if wrong:
+        raise TrainError(f"{path} holds {', '.join(wrong)} (expected counts, and dtype 'uint16' or 'uint32'): "
+                         f"prepare the data again")
     return meta
 
 
