@@ -12,7 +12,7 @@ time. Steps, optimizer and data are train.py's.
     python bench.py --rungs=8,12 --n_layer=18 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1.01B
     python bench.py --rungs=8,12 --fp8_recipe=rowwise   # the FP8 rung with rowwise scaling (default tensorwise)
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
-    python bench.py --mode=profile                   # out/profile.md: where the compiled 124M step spends its time
+    python bench.py --mode=profile                   # bench_out/profile.md: where the compiled 124M step goes
     python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
     python bench.py --rungs=8 --rope=halves --loss_chunk_tokens=0                # (variants: see DEFAULTS)
     python bench.py --rungs=8 --stage_data=True      # the top rung without data loading: what loading costs

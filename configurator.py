@@ -33,7 +33,8 @@ def _check_type(key, value, default, where):
         return float(value)
     if type(value) is not expected:  # bool is a subclass of int: compare exact types
         raise ConfigError(f"config key '{key}' in {where}: got {value!r} ({type(value).__name__}), "
-                          f"expected {expected.__name__} (default {default!r})")
+                          f"expected {expected.__name__} (default {default!r})"
+                          + (": write True or False" if expected is bool else ''))
     return value
 
 

@@ -308,8 +308,17 @@ def export(ckpt_path, hf_dir, dtype='float32'):
         raise ValueError(f"{ckpt_path}: its model_args do not make a model.py config: {e}") from None
     config = hf_config(c, meta.get('eot_token'), dtype)
     tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in to_hf(ckpt['model'], c).items()}
-    os.makedirs(hf_dir, exist_ok=True)
-    save_file(tensors, os.path.join(hf_dir, 'model.safetensors'), metadata={'format': 'pt'})
+    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ValueError(f"hf_dir {hf_dir} is a file, not a directory")
+    try:
+        os.makedirs(hf_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create hf_dir {hf_dir}: {e.strerror or e}") from None
+    weights = os.path.join(hf_dir, 'model.safetensors')
+    save_file(tensors, weights, metadata={'format': 'pt'})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # save_file leaves its file readable by its owner alone (0600)
     for name, content in (('config.json', config),
                           ('generation_config.json', dict(bos_token_id=None, eos_token_id=config['eos_token_id']))):
         with open(os.path.join(hf_dir, name), 'w') as f:

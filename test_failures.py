@@ -511,6 +511,11 @@ def test_broken_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, how):
     path.write_bytes(broken)
     assert_resume_refused(data, out, path)
     assert read_bytes(path) == broken
+    # a zip archive cut short is a corrupt checkpoint; bytes that are no zip archive at all, not a checkpoint
+    # (torch's own message there is about weights_only's allowed types, which misleads)
+    with pytest.raises(train.TrainError, match='corrupt or truncated' if how == 'truncated' else
+                       'is not a checkpoint: not the zip archive torch.save writes'):
+        train.load_checkpoint(str(path))
     assert not glob.glob(str(out / 'previous-*'))
 
 
@@ -851,6 +856,10 @@ def test_cli_misspelled_flag_is_one_line_without_traceback():
 def test_config_error_in_process():
     with pytest.raises(ConfigError, match="learning_rate"):
         train.main(['--learning_rat=1'])
+    # a bool written in lower case: the message says how to write it
+    with pytest.raises(ConfigError, match=re.escape("got 'true' (str), expected bool (default False): write True or "
+                                                    "False")):
+        train.main(['--compile=true'])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -308,6 +308,34 @@ def test_finetune_starts_from_the_hf_weights(finetune, hf_dirs, hf_data):
         assert re.search(rf"^  {key} +\= {first['model_args'][key]!r}$", printed, re.M), key
 
 
+def test_finetune_on_another_vocabulary_is_refused(hf_dirs, hf_data, tok_dir, tmp_path):
+    # Reference: the vocabularies, as resume compares them. A character-level export (char_vocab.json) on char
+    # data with other characters of the same count, and a model directory whose tokenizer.json is not the one
+    # the data was prepared with, are errors naming what differs: every id would mean another token. The same
+    # characters, and the same tokenizer.json, finetune.
+    ours = tmp_path / 'ours'
+    ours.mkdir()
+    our_checkpoint(ours / 'ckpt.pt', seed=0)  # CHAR_META: 100 characters
+    export.main([f'--out_dir={ours}', f'--hf_dir={ours / "hf"}'])
+    chars = CHAR_META['chars']
+    same, other = (write_dataset(tmp_path / name, np.arange(400) % 100, np.arange(100), 100, chars=c)
+                   for name, c in (('same', chars), ('other', chars[:-1] + 'z')))
+    base = ['--device=cpu', '--dtype=float32', '--block_size=16', '--batch_size=2', '--eval_iters=1', '--max_iters=1']
+    base.append(f'--init_from=hf:{ours / "hf"}')
+    with pytest.raises(train.TrainError, match=re.escape(f"the model's vocabulary is not {other}'s: the checkpoint "
+                                                         "has 100 characters, the data 100")):
+        train.main([*base, f'--data_dir={other}', f'--out_dir={tmp_path / "o1"}'])
+    assert train.main([*base, f'--data_dir={same}', f'--out_dir={tmp_path / "o2"}']) == 0
+    model_dir = shutil.copytree(hf_dirs['llama_gqa'], tmp_path / 'llama')
+    shutil.copy(os.path.join(tok_dir, 'tokenizer.json'), model_dir / 'tokenizer.json')  # the data's: finetunes
+    argv = [*FINETUNE, f'--init_from=hf:{model_dir}', f'--data_dir={hf_data}', '--max_iters=1']
+    assert train.main([*argv, f'--out_dir={tmp_path / "o3"}']) == 0
+    tokenizer = model_dir / 'tokenizer.json'
+    tokenizer.write_text(tokenizer.read_text().replace('<|endoftext|>', '<eos>'))  # another tokenizer.json
+    with pytest.raises(train.TrainError, match=re.escape(f"{model_dir}/tokenizer.json has sha256 ")):
+        train.main([*argv, f'--out_dir={tmp_path / "o4"}'])
+
+
 def test_sample_decodes_with_the_checkpoints_tokenizer(finetune, tok_dir, capsys):
     """sample.py decodes with the vocabulary in the checkpoint: the tokenizer's directory is gone by now."""
     out, _, _ = finetune
@@ -605,7 +633,12 @@ def test_export_bfloat16_and_refusals(tmp_path):
     proc = subprocess.run([sys.executable, 'export.py', f'--out_dir={tmp_path}', f'--hf_dir={tmp_path}/ckpt.pt/hf'],
                           cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.startswith('export.py: error: ') and 'Traceback' not in proc.stderr
-    assert str(tmp_path / 'ckpt.pt') in proc.stderr
+    assert f'cannot create hf_dir {tmp_path}/ckpt.pt/hf: ' in proc.stderr
+    with pytest.raises(ValueError, match=re.escape(f"hf_dir {tmp_path / 'ckpt.pt'} is a file, not a directory")):
+        export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "ckpt.pt"}'])
+    # the weights as readable as the other files written (safetensors writes them for their owner alone)
+    modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}
+    assert modes['model.safetensors'] == modes['config.json'], modes
 
 
 def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):

@@ -50,8 +50,10 @@ START_TIME = time.time()  # first of all, before the heavy imports: time_s count
 
 import collections  # noqa: E402
 import gc  # noqa: E402
+import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
@@ -550,6 +552,9 @@ def import_bitsandbytes(name, device_type):
     """bitsandbytes, after one 8-bit step on the device proves that its native library works."""
     if name == 'paged_adamw8bit' and device_type != 'cuda':
         raise TrainError(f"optimizer={name} needs CUDA (its state lives in CUDA managed memory); use adamw8bit")
+    # NOTE: on a CPU with AVX512-BF16, bitsandbytes' import warns that a 4-bit inference kernel (another package's)
+    # is missing; the 8-bit optimizers never use it
+    logging.getLogger('bitsandbytes.backends.cpu.ops').setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
         probe = torch.zeros(4096, device=device_type, requires_grad=True)
@@ -783,6 +788,11 @@ def load_checkpoint(path, device='cpu'):
         if code:
             raise TrainError(f"refusing to load {path}: besides tensors and plain data it asks to import "
                              f"{code.group(1)}, which could run code when loaded") from None
+        with open(path, 'rb') as f:
+            zipped = f.read(4) == b'PK\x03\x04'  # torch.save writes a zip archive
+        if not zipped:  # torch's message for these is about weights_only's allowed types, which misleads
+            raise TrainError(f"{path} is not a checkpoint: not the zip archive torch.save writes (another kind of "
+                             f"file, or one a failure left empty or cut short)") from None
         detail = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
         raise TrainError(f"checkpoint {path} is corrupt or truncated: {detail}") from None
 
@@ -1297,11 +1307,35 @@ def hf_checkpoint_shape(out_dir):
         return None
 
 
+def hf_vocabulary_mismatch(path, data_meta):
+    """What differs between the vocabulary of the model directory at path and the data's, where both can be
+    told: a character-level export (its char_vocab.json) against the data's characters, a tokenizer.json against
+    the data's of hf:PATH (by sha256). None where they agree, or where only the sizes can be compared."""
+    chars_path, tokenizer_path = os.path.join(path, 'char_vocab.json'), os.path.join(path, 'tokenizer.json')
+    try:
+        if os.path.isfile(chars_path):
+            with open(chars_path, encoding='utf-8') as f:
+                chars = ''.join(json.load(f))
+            return vocabulary_mismatch(dict(tokenizer='char', vocab_size=len(chars), chars=chars), data_meta)
+        if data_meta['tokenizer'].startswith('hf:') and os.path.isfile(tokenizer_path):
+            with open(tokenizer_path, 'rb') as f:
+                sha = hashlib.sha256(f.read()).hexdigest()
+            theirs = data_meta.get('tokenizer_sha256')
+            return None if sha == theirs else (f"{tokenizer_path} has sha256 {sha[:12]}..., the data's tokenizer.json "
+                                               f"{str(theirs)[:12]}...")
+    except (OSError, ValueError, TypeError) as e:
+        raise TrainError(f"cannot read the vocabulary of {path}: {e}") from None
+    return None
+
+
 def start_from_hf(r):
     """Load the weights of init_from=hf:PATH into the model; training then goes on as from scratch (iteration
     0, a fresh optimizer). Returns the start that the checkpoints record."""
     from export import load_hf_weights
     path = r.cfg.init_from[3:]
+    if mismatch := hf_vocabulary_mismatch(path, r.meta):
+        raise TrainError(f"init_from={r.cfg.init_from}: the model's vocabulary is not {r.cfg.data_dir}'s: "
+                         f"{mismatch}. Finetune only on data prepared with the model's tokenizer")
     try:
         state = load_hf_weights(path, r.model_config)
     except ValueError as e:
