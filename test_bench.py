@@ -67,6 +67,12 @@ def test_ladder_writes_every_rung_with_the_documented_keys(result):
         assert status[name] == 'skipped', name  # CUDA only, off on the CPU, or --compile=False
     for name in ('fp32 eager', '+ SDPA flash', '+ chunked loss', '+ act. ckpt full', '+ act. ckpt selective'):
         assert status[name] == 'ok', name
+    # vs baseline: over the first rung that ran (fp32 eager), every rung's; the timings differ, so a speedup over
+    # any other rung (each over itself: 1.0) would not match
+    ok = [r for r in report['rungs'] if r['status'] == 'ok']
+    assert ok[0]['name'] == 'fp32 eager' and len({r['ms_per_iter'] for r in ok}) > 1
+    for r in ok:
+        assert r['speedup_vs_baseline'] == pytest.approx(ok[0]['ms_per_iter'] / r['ms_per_iter']), r['name']
     saved = {r['name']: r['activation_mb'] for r in report['rungs']}
     assert saved['+ act. ckpt full'] < saved['+ act. ckpt selective'] < saved['+ chunked loss']  # the rung built on
     md = open(out / 'bench.md').read()
@@ -324,12 +330,16 @@ def test_residual_variant_reaches_the_autocast_rungs(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize('stage', [False, True])
 def test_staged_data_loads_one_step_of_batches_and_serves_it_in_turn(monkeypatch, stage):
-    # Reference: the token-file reads counted (train.Batches._prefetch) and the batches each forward gets.
+    # Reference: the token-file reads counted (train.Batches._prefetch), the batches each forward gets, and the
+    # first step's batches as a fresh train.Batches draws them.
     # Staged: one read when Batches starts and one per micro-batch of one step, then each step gets those same
     # micro-batches in the same order. Loaded: a read for every micro-batch, every one of them new.
     env = bench.setup([*TINY, '--gradient_accumulation_steps=3', '--warmup=1', '--steps=2', '--repeats=2',
                        f'--stage_data={stage}'])
     assert env.meta['variants']['stage_data'] is stage
+    fresh = train.Batches(env.tokens, env.batch_size, env.block_size, env.device, env.seed,
+                          env.gradient_accumulation_steps)
+    first_step = [fresh.next()[0] for _ in range(3)]  # what train.py's first step would train on
     reads, inputs, real_prefetch, real_forward = [], [], train.Batches._prefetch, GPT.forward
     monkeypatch.setattr(train.Batches, '_prefetch', lambda self: reads.append(1) or real_prefetch(self))
     monkeypatch.setattr(GPT, 'forward', lambda self, idx, *a, **k: inputs.append(idx.clone()) or
@@ -338,6 +348,9 @@ def test_staged_data_loads_one_step_of_batches_and_serves_it_in_turn(monkeypatch
     micro = 3 * (1 + 2 * 2) + 1  # (warmup + repeats x steps) x 3 micro-batches, and the one that counts activations
     assert len(inputs) == micro
     distinct = len({tuple(x.flatten().tolist()) for x in inputs})
+    # the first step gets the first batches of a fresh train.Batches with the run's seed, in order, staged or not
+    for i, want in enumerate(first_step):
+        assert torch.equal(inputs[i], want), i
     if stage:
         assert len(reads) == 1 + 3 and distinct == 3
         assert all(torch.equal(x, inputs[i % 3]) for i, x in enumerate(inputs))
@@ -555,6 +568,13 @@ def test_activation_bytes_counts_each_storage_once_and_no_weights():
         return (p * h.view(48)[:8]).sum()  # saves p (6, 8) and a view of h
     _, saved = bench.activation_bytes(layer, forward)
     assert saved == 4 * 6 * 8 * 4  # h once, layer(h), the repeat, p; never the weight
+    w = torch.randn(2, 8, requires_grad=True)
+
+    def a_slice():
+        big = x.repeat(4, 1)  # (24, 8); the product saves only a view of its first 2 rows, which holds it all
+        return (big[:2] * w).sum()  # saves big[:2] and w (2, 8)
+    _, saved = bench.activation_bytes(layer, a_slice)
+    assert saved == (24 * 8 + 2 * 8) * 4  # big's whole storage, not the (2, 8) view's size
     t, u = (TwoTensor(torch.randn(5, 3), torch.randn(5, 3), requires_grad=True) for _ in range(2))
     _, saved = bench.activation_bytes(layer, lambda: (t * u).sum())
     assert saved == 4 * 5 * 3 * 4  # both operands of the product, each a pair of (5, 3) tensors

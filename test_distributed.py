@@ -241,6 +241,20 @@ def par6(request, root, data):
     return r
 
 
+@pytest.fixture(scope='module')
+def accum4(root, data):
+    """Runs to 6 with gradient_accumulation_steps=4, by process count and parallelism: with 2 processes each
+    one takes 2 micro-steps per step (with FLAGS' 2, one each: its first micro-step is also its last)."""
+    cache = {}
+
+    def get(nproc, parallelism='ddp'):
+        if (nproc, parallelism) not in cache:
+            cache[nproc, parallelism] = run(nproc, root / f'accum4_{nproc}_{parallelism}', data, '--max_iters=6',
+                                            '--gradient_accumulation_steps=4', f'--parallelism={parallelism}').check()
+        return cache[nproc, parallelism]
+    return get
+
+
 @pytest.fixture(scope='module', params=['ddp-2to1', 'fsdp-2to1', 'ddp-1to2', 'fsdp-1to2'])
 def resumed(request, root, data, single3):
     """A run to 3 iterations in one process count, resumed to 6 in the other."""
@@ -280,16 +294,23 @@ def test_eval_losses_are_averaged_over_all_processes(par6, single6):
         [(r['iter'], round(r['train_loss'], 4), round(r['val_loss'], 4)) for r in got]
 
 
-def test_two_processes_end_with_the_single_process_weights(par6, single6):
+@pytest.mark.parametrize('accum', [2, 4])
+def test_two_processes_end_with_the_single_process_weights(par6, single6, accum4, accum):
     # Reference: the single-process checkpoint. FSDP's must hold whole tensors under the plain parameter
     # names (gathered from the shards), the same optimizer state and the same data position.
-    got, want = par6.ckpt(), single6.ckpt()
+    # accum=4: 2 micro-steps per process, so the gradients must be all-reduced on the last one of each step
+    # (synced on the first, the second's gradients would stay this process's own and the weights differ).
+    p = par6.parallelism
+    par, single = (par6, single6) if accum == 2 else (accum4(2, p), accum4(1))
+    got, want = par.ckpt(), single.ckpt()
     assert got['iter_num'] == 6
-    assert_same_state(got, want, par6.parallelism)
+    assert_same_state(got, want, f'{p} accum={accum}')
     assert got['model_args'] == want['model_args']
     # best.pt: the weights at the best eval (iteration 6 here, the loss falls), also whole
-    assert_tensors_close(par6.ckpt('best.pt')['model'], single6.ckpt('best.pt')['model'], 1e-5,
-                         f'{par6.parallelism} best.pt model')
+    assert_tensors_close(par.ckpt('best.pt')['model'], single.ckpt('best.pt')['model'], 1e-5,
+                         f'{p} accum={accum} best.pt model')
+    if accum == 4:
+        assert_metrics_close(par.metrics(), single.metrics(), where=f'{p} accum=4')
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -348,13 +369,22 @@ def test_accumulation_not_divisible_by_processes_is_an_error(root, data):
 # 5 (uneven shares): eval_iters not divisible by the number of processes
 
 @pytest.fixture(scope='module')
-def single_eval(root, data):
+def eval_data(root, data):
+    """The data of an eval-only run with a given eval_iters: `data`, except for the whole-split eval
+    (eval_iters=0, train.Windows), which gets a val split of 600 tokens: 18 windows of 32 + 1, 5 batches of 4
+    (the last one half full), not divisible by 2 processes (data's 800 tokens make 6 batches)."""
+    odd = write_data(root / 'data_odd_val', n_val=600)
+    return lambda eval_iters: data if eval_iters else odd
+
+
+@pytest.fixture(scope='module')
+def single_eval(root, eval_data):
     """The single-process eval losses at iteration 0 for a given eval_iters (max_iters=0: eval only)."""
     cache = {}
 
     def get(eval_iters):
         if eval_iters not in cache:
-            cache[eval_iters] = run(1, root / f'single_eval{eval_iters}', data, '--max_iters=0',
+            cache[eval_iters] = run(1, root / f'single_eval{eval_iters}', eval_data(eval_iters), '--max_iters=0',
                                     f'--eval_iters={eval_iters}').check().metrics()
         return cache[eval_iters]
     return get
@@ -363,15 +393,16 @@ def single_eval(root, data):
 HANG_TIMEOUT = 30  # seconds; these runs take about 6 s
 
 
-@pytest.mark.parametrize('parallelism, eval_iters', [('ddp', 5), ('fsdp', 5), ('ddp', 1)])
-def test_eval_iters_not_divisible_by_processes(parallelism, eval_iters, root, data, single_eval):
+@pytest.mark.parametrize('parallelism, eval_iters', [('ddp', 5), ('fsdp', 5), ('ddp', 1), ('fsdp', 0)])
+def test_eval_iters_not_divisible_by_processes(parallelism, eval_iters, root, eval_data, single_eval):
     # eval_iters=5 with 2 processes: process 0 evaluates 3 batches, process 1 evaluates 2; eval_iters=1:
-    # process 1 evaluates none. Reference: the single-process eval losses over the same batches.
+    # process 1 evaluates none; eval_iters=0 (the whole val split, 5 batches of windows): process 0 evaluates
+    # 3, process 1 2 and a repeat of weight 0. Reference: the single-process eval losses over the same batches.
     # Acceptable outcomes: those losses, or a clear config error naming eval_iters. Not acceptable: a
     # hang (under FSDP every forward is a collective all-gather, so a process with one forward more than
     # the other waits for a partner that never comes) or a crash with a traceback.
-    r = run(2, root / f'{parallelism}_eval{eval_iters}', data, '--max_iters=0', f'--eval_iters={eval_iters}',
-            f'--parallelism={parallelism}', timeout=HANG_TIMEOUT)
+    r = run(2, root / f'{parallelism}_eval{eval_iters}', eval_data(eval_iters), '--max_iters=0',
+            f'--eval_iters={eval_iters}', f'--parallelism={parallelism}', timeout=HANG_TIMEOUT)
     assert not r.timed_out, (f"HANG: eval_iters={eval_iters} under {parallelism} with 2 processes did not "
                              f"finish in {HANG_TIMEOUT} s (it takes about 6 s when it works)\n" + r.describe())
     if r.rc != 0:
@@ -428,6 +459,19 @@ def test_batches_with_no_share_for_a_process():
         assert torch.equal(r0.next()[0], ref.next()[0])
     with pytest.raises(ValueError, match='no micro-batch'):
         Batches(tokens, 3, 8, 'cpu', seed=7, groups=1, rank=1, world=2)
+
+
+def test_batches_draw_every_start_that_leaves_a_whole_window():
+    # Reference: the starts by hand. A window is tokens[s : s + T + 1], so len - T starts fit: T + 2 tokens
+    # give starts 0 and 1, both drawn in 200 windows (each missed with probability 2^-200); T + 1 tokens
+    # give start 0 only, and still a batch (x[:, 0] is the start: the tokens are 0, 1, 2, ...).
+    from train import Batches
+    T = 8
+    b = Batches(np.arange(T + 2, dtype=np.uint16), 4, T, 'cpu', seed=7)
+    starts = {s for _ in range(50) for s in b.next()[0][:, 0].tolist()}
+    assert starts == {0, 1}
+    x, y = Batches(np.arange(T + 1, dtype=np.uint16), 4, T, 'cpu', seed=7).next()
+    assert x.tolist() == [list(range(T))] * 4 and y.tolist() == [list(range(1, T + 1))] * 4
 
 
 @pytest.mark.parametrize('rank, world', [(0, 1), (0, 2), (1, 2)])

@@ -254,6 +254,18 @@ def test_optimizer_state_bytes_reported(runs):
     assert eight < 4 and eight < adamw / 3
 
 
+def test_optimizer_state_bytes_counts_every_state_tensor():
+    # Reference: torch's AdamW state after a step, by hand: exp_avg and exp_avg_sq in float32 (8 bytes per
+    # parameter) and a float32 0-dim `step` per tensor (4 bytes), exactly; the run's figure above is a rounded
+    # per-parameter rate, too coarse to see the steps.
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(2, 2, 2))]
+    opt = torch.optim.AdamW(params)
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    assert all(s['step'].dtype == torch.float32 and s['step'].dim() == 0 for s in opt.state.values())
+    assert train.optimizer_state_bytes(opt) == 8 * (15 + 7 + 8) + 4 * len(params)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 2. muon: which parameters, and what one update looks like
 

@@ -1245,6 +1245,27 @@ def test_zero_init_proj_starts_each_block_as_the_identity():
     assert zero.blocks[0].attn.proj.weight.grad.abs().sum() > 0 and zero.blocks[1].mlp.down.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize('tie', [True, False])
+def test_init_scales_the_residual_projections_by_depth(tie):
+    # Reference: GPT-2's init (nanoGPT's): every Linear and Embedding weight N(0, 0.02), but the two projections
+    # into the residual stream (attn.proj, mlp.down) N(0, 0.02 / sqrt(2 n_layer)), 0.02 / 4 at 8 layers; the
+    # norms' gains 1. Each matrix has >= 16k entries: its sample std is off by ~0.5%; 10% is allowed, 4x is not.
+    n_layer = 8
+    model = tiny_model(n_layer=n_layer, n_embd=128, vocab_size=256, tie_embeddings=tie)
+    stds = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # the RMSNorm gains
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        stds[name] = want = 0.02 / math.sqrt(2 * n_layer) if name.endswith(('attn.proj.weight',
+                                                                            'mlp.down.weight')) else 0.02
+        assert p.std().item() == pytest.approx(want, rel=0.1), name
+        assert abs(p.mean().item()) < 0.1 * want, name
+    assert sum(v < 0.02 for v in stds.values()) == 2 * n_layer
+    assert ('lm_head.weight' in stds) is not tie and 'wte.weight' in stds  # tied: lm_head is wte, checked once
+    assert (model.lm_head.weight is model.wte.weight) is tie
+
+
 def test_x0_mix_adds_the_scaled_token_embeddings_before_each_later_block():
     # Reference: the forward written out with the model's own modules, block i > 0 reading x + s[i-1] * wte(idx)
     # (float64, scales set away from 0), and the model without x0_mix from the same seed, which the mixing
@@ -1374,6 +1395,11 @@ def test_whole_split_eval_covers_every_window_once():
     for world in (2, 3):
         parts = [loss(train.Windows(tokens, 3, T, 'cpu', rank, world)) for rank in range(world)]
         assert sum(parts) == pytest.approx(want, rel=1e-6), world
+    # every process runs as many forwards (under FSDP each is a collective): 10 windows in batches of 3 make 4
+    # batches (3, 3, 3, 1 windows), not divisible by 3 processes; rank r takes batches r, r + 3, ..., and a rank
+    # past the last batch a filler of weight 0 (the weights: the windows of each batch, as counted by hand)
+    weights = [[w for _, _, w in train.Windows(tokens, 3, T, 'cpu', rank, 3).eval_batches()] for rank in range(3)]
+    assert weights == [[3, 1], [3, 0], [3, 0]]
     # estimate_loss runs it in eval mode and hands the model back in train mode; eval_iters=0 means only val
     cfg = SimpleNamespace(eval_iters=0, batch_size=4, block_size=T, seed=0)
     splits = train.eval_splits(cfg, tokens, tokens, 'cpu', 0, 1)
@@ -1385,6 +1411,19 @@ def test_whole_split_eval_covers_every_window_once():
     assert losses == {'val': pytest.approx(eval_loss, rel=1e-6)}
     # an evaluation with dropout on would miss that by far (seen: 1e-3 relative): the check above can fail
     assert windows_reference(model.train(), tokens, T) != pytest.approx(eval_loss, rel=1e-4)
+
+
+@pytest.mark.parametrize('extra, count', [(0, 9), (1, 10)])
+def test_whole_split_eval_windows_need_block_size_plus_one_tokens(extra, count):
+    # Reference: windows_reference, and the count by hand: window i is tokens[iT : iT + T + 1] (its targets
+    # reach one token past it), so 10 T tokens hold 9 windows and 10 T + 1 tokens hold 10.
+    T = 16
+    tokens = np.random.default_rng(1).integers(0, 32, 10 * T + extra).astype(np.uint16)
+    windows = train.Windows(tokens, 4, T, 'cpu')
+    assert windows.eval_total == count
+    model = tiny_model().eval()
+    got = train.estimate_loss(model, {'val': windows}, nullcontext())['val']
+    assert got == pytest.approx(windows_reference(model, tokens, T), rel=1e-6)
 
 
 def test_get_lr_wsd_schedule():
