@@ -296,7 +296,7 @@ def write_tokenizer(meta, hf_dir, max_len):
 def export(ckpt_path, hf_dir, dtype='float32'):
     """Write the checkpoint at ckpt_path as a transformers model directory; returns the lines it printed."""
     from safetensors.torch import save_file
-    from train import load_checkpoint  # here: train.py imports this file for init_from=hf
+    from train import load_checkpoint, probe_out_dir  # here: train.py imports this file for init_from=hf
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'float16'")
     ckpt = load_checkpoint(ckpt_path)
@@ -308,12 +308,7 @@ def export(ckpt_path, hf_dir, dtype='float32'):
         raise ValueError(f"{ckpt_path}: its model_args do not make a model.py config: {e}") from None
     config = hf_config(c, meta.get('eot_token'), dtype)
     tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in to_hf(ckpt['model'], c).items()}
-    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
-        raise ValueError(f"hf_dir {hf_dir} is a file, not a directory")
-    try:
-        os.makedirs(hf_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create hf_dir {hf_dir}: {e.strerror or e}") from None
+    probe_out_dir(hf_dir, 'hf_dir')  # made and probed: a one-line error naming it
     weights = os.path.join(hf_dir, 'model.safetensors')
     save_file(tensors, weights, metadata={'format': 'pt'})
     umask = os.umask(0)

@@ -633,8 +633,8 @@ def test_export_bfloat16_and_refusals(tmp_path):
     proc = subprocess.run([sys.executable, 'export.py', f'--out_dir={tmp_path}', f'--hf_dir={tmp_path}/ckpt.pt/hf'],
                           cwd=HERE, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.startswith('export.py: error: ') and 'Traceback' not in proc.stderr
-    assert f'cannot create hf_dir {tmp_path}/ckpt.pt/hf: ' in proc.stderr
-    with pytest.raises(ValueError, match=re.escape(f"hf_dir {tmp_path / 'ckpt.pt'} is a file, not a directory")):
+    assert f'hf_dir {tmp_path}/ckpt.pt/hf cannot be created: ' in proc.stderr
+    with pytest.raises(train.TrainError, match=re.escape(f"hf_dir {tmp_path / 'ckpt.pt'} is a file, not a directory")):
         export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "ckpt.pt"}'])
     # the weights as readable as the other files written (safetensors writes them for their owner alone)
     modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}

@@ -1174,14 +1174,15 @@ def describe_vocabulary(meta):
     return f"tiktoken {value}"
 
 
-def probe_out_dir(out_dir):
-    """Create out_dir, then create, write a byte to, fsync and remove a probe file with a unique name in it."""
+def probe_out_dir(out_dir, key='out_dir'):
+    """Create out_dir, then create, write a byte to, fsync and remove a probe file with a unique name in it;
+    errors name it as the setting key (export.py: hf_dir)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise TrainError(f"out_dir {out_dir} is a file, not a directory")
+        raise TrainError(f"{key} {out_dir} is a file, not a directory")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise TrainError(f"out_dir {out_dir} cannot be created: {os_reason(e, out_dir)}") from None
+        raise TrainError(f"{key} {out_dir} cannot be created: {os_reason(e, out_dir)}") from None
     probe = None
     try:
         fd, probe = tempfile.mkstemp(prefix='.write-probe-', dir=out_dir)
@@ -1194,7 +1195,7 @@ def probe_out_dir(out_dir):
     except OSError as e:
         if probe and os.path.exists(probe):
             os.remove(probe)
-        raise TrainError(f"out_dir {out_dir} cannot be written: {os_reason(e, probe)}") from None
+        raise TrainError(f"{key} {out_dir} cannot be written: {os_reason(e, probe)}") from None
 
 
 def move_earlier_run(r):
