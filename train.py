@@ -912,7 +912,8 @@ def check_config(cfg):
 
 
 def check_device(name):
-    """Raise a ConfigError unless name is 'auto' or a device this machine has (bench.py checks its own so)."""
+    """Raise a ConfigError unless name is 'auto' or a device this machine has (bench.py and sample.py check
+    theirs with it too)."""
     if name == 'auto':
         return
     try:
@@ -1129,8 +1130,7 @@ def start_or_resume(r):
     r.batches.load_state_dict(ckpt['batches'])
     r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
     # (a checkpoint from before the count: its tokens per iteration, every iteration)
-    r.tokens = ckpt.get('tokens', r.iter_num * saved['batch_size'] * saved['block_size']
-                        * saved['gradient_accumulation_steps'])
+    r.tokens = ckpt.get('tokens', r.iter_num * tokens_per_iter(SimpleNamespace(**saved)))
     r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
