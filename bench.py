@@ -692,7 +692,7 @@ def step_note(preset, tokens_per_iter):
 
 def setup(argv):
     """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
-    a = configure(DEFAULTS, argv)
+    a = configure(DEFAULTS, argv, __file__)
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
                'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': train.CHOICES['fp8_recipe'],
                'compile_mode': train.CHOICES['compile_mode'], 'sdpa_backend': tuple(SDPA_BACKENDS),

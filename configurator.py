@@ -8,12 +8,14 @@ Arguments are applied in order: config files (a .py file of literal assignments 
 `n_layer = 6`), then flags; a config file that sets a key an earlier flag set is an error (the flag would
 silently lose). An unknown key is an error naming it and the closest real key; a value of
 the wrong type is an error naming the key, the value and the expected type. An int is accepted where
-a float is expected; bools are written True/False. --help (or -h) prints every key with its default.
+a float is expected; bools are written True/False. --help (or -h) prints every key with its default and,
+given the script's source, the comment beside it there (key_comments).
 """
 import ast
 import difflib
 import os
 import sys
+import tokenize
 
 
 class ConfigError(ValueError):
@@ -81,13 +83,43 @@ def read_config_file(path):
     return values
 
 
-def configure(defaults, argv):
-    """Apply config files and --key=value flags from argv, in order, to a copy of defaults."""
+def key_comments(path):
+    """{key: comment} of the source file that sets a script's defaults: the comment on the line of a key's first
+    `key = value` (or `key=value,` inside dict(...)), with the comment-only lines under it, at its column."""
+    with open(path, encoding='utf-8') as f:
+        tokens = [t for t in tokenize.generate_tokens(f.readline) if t.type not in (tokenize.INDENT, tokenize.DEDENT)]
+    comments, seen, keys, last = {}, set(), [], None  # keys: first set on this line; last: (keys, comment column)
+    for i, t in enumerate(tokens):
+        if t.type == tokenize.NAME and i + 1 < len(tokens) and tokens[i + 1].string == '=' and t.string not in seen:
+            seen.add(t.string)
+            keys.append(t.string)
+        elif t.type == tokenize.COMMENT:
+            text = t.string.lstrip('#').strip()
+            if keys:
+                comments.update((k, text) for k in keys)
+                last = (keys, t.start[1])
+            elif last and t.start[1] == last[1] and tokens[i - 1].type in (tokenize.NL, tokenize.NEWLINE):
+                for k in last[0]:
+                    comments[k] += ' ' + text  # a comment-only line under the last one, at its column
+            else:
+                last = None
+        elif t.type in (tokenize.NEWLINE, tokenize.NL):
+            if not keys and tokens[i - 1].type != tokenize.COMMENT:
+                last = None  # a line of code that sets no key, or a blank line, ends a comment
+            keys = []
+    return comments
+
+
+def configure(defaults, argv, source=None):
+    """Apply config files and --key=value flags from argv, in order, to a copy of defaults. source: the file that
+    sets the defaults, whose comments --help shows."""
     config, flags = dict(defaults), {}
     for arg in argv:
         if arg in ('--help', '-h'):
+            notes = key_comments(source) if source else {}
             print("arguments: config files (`key = value` lines), then --key=value flags. The keys, with their "
-                  "defaults:\n" + '\n'.join(f"  {k} = {v!r}" for k, v in defaults.items()))
+                  "defaults:\n" + '\n'.join(f"  {k} = {v!r}" + (f"  # {notes[k]}" if notes.get(k) else '')
+                                             for k, v in defaults.items()))
             sys.exit(0)
         if arg.startswith('--'):
             key, sep, text = arg[2:].partition('=')

@@ -328,7 +328,7 @@ def export(ckpt_path, hf_dir, dtype='float32'):
 
 def main(argv):
     from configurator import configure
-    cfg = configure(DEFAULTS, argv)
+    cfg = configure(DEFAULTS, argv, __file__)
     export(os.path.join(cfg['out_dir'], cfg['ckpt']), cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf'),
            cfg['dtype'])
 

@@ -32,7 +32,8 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   `threads` cores (0: all of them); char level makes two passes (the character set, then a numpy
   lookup table). Progress (MB/s, tokens/s) goes to stderr, the totals to stdout.
 - Creates data_dir and writes a probe file there before reading the input, so that a data_dir that
-  cannot be written fails at once, not after minutes of reading. Writes temporary files and renames
+  cannot be written fails at once, not after minutes of reading (probe_dir; a data_dir it made is removed
+  again if the run fails). Writes temporary files and renames
   them into place, meta.json last: a crash never leaves a half-written dataset that looks complete. A
   file that cannot be read or written is a one-line error naming it.
 - Decodes UTF-8 with errors='replace': an invalid byte (or a lone surrogate escaped in JSON) becomes
@@ -48,8 +49,10 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 import zlib
+from contextlib import suppress
 
 import numpy as np
 
@@ -504,20 +507,35 @@ def scan_chars(chunks, total):
     return ''.join(sorted(chars))
 
 
-def make_data_dir(data_dir, probe):
-    """Create data_dir and write a byte to a probe file there (then remove it): run before the input is read,
-    so that a data_dir that cannot be written fails at once, not minutes into a large corpus."""
-    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-        raise ValueError(f"data_dir {data_dir} is a file, not a directory")
+def os_reason(e, path=None):
+    """An OSError in words ('Permission denied'), with the file it concerns where that is not `path`."""
+    reason = e.strerror or str(e) or type(e).__name__
+    return reason if e.filename in (None, path) else f"{reason}: {e.filename}"
+
+
+def probe_dir(path, key):
+    """Create the directory `path`, then create, write a byte to, fsync and remove a probe file with a unique name
+    in it, so that a directory that cannot be written fails now, not after minutes of work. Errors are ValueErrors
+    that name it as the setting `key` (data_dir; train.py's out_dir, export.py's hf_dir)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{key} {path} is a file, not a directory")
     try:
-        os.makedirs(data_dir, exist_ok=True)
-        with open(probe, 'wb') as f:
-            f.write(b'\0')  # a full disk shows here, or on close
+        os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"data_dir {data_dir} cannot be written: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(probe):
+        raise ValueError(f"{key} {path} cannot be created: {os_reason(e, path)}") from None
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.write-probe-', dir=path)
+        try:
+            os.write(fd, b'\0')
+            os.fsync(fd)  # a full disk may only show here
+        finally:
+            os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        if probe and os.path.exists(probe):
             os.remove(probe)
+        raise ValueError(f"{key} {path} cannot be written: {os_reason(e, probe)}") from None
 
 
 def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1, text_field='text',
@@ -533,9 +551,21 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
     enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
     enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
     final = [os.path.join(data_dir, name) for name in OUTPUTS]
+    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + [p + '.tmp' for p in final]})
+    made = not os.path.exists(data_dir)
+    try:
+        probe_dir(data_dir, 'data_dir')  # before the input is read
+        return write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads)
+    except BaseException:
+        if made:
+            with suppress(OSError):  # rmdir removes only an empty directory
+                os.rmdir(data_dir)  # a failed first run leaves no empty data_dir behind
+        raise
+
+
+def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads):
+    """prepare()'s work once its settings are checked: split, encode and write the files `final`."""
     temp = [path + '.tmp' for path in final]
-    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + temp})  # lists, reads nothing
-    make_data_dir(data_dir, temp[2])
     sizes = text_sizes(paths, text_field)
     total, split_at = sum(sizes), find_split(paths, sizes, text_field, val_fraction)
     if not 0 < split_at < total:
@@ -593,7 +623,7 @@ def vocabulary(meta):
 
 def main(argv=None):
     try:
-        prepare(**configure(DEFAULTS, sys.argv[1:] if argv is None else argv))
+        prepare(**configure(DEFAULTS, sys.argv[1:] if argv is None else argv, __file__))
     except (ConfigError, ValueError) as e:  # ConfigError is a ValueError; named for the reader
         raise SystemExit(f"prepare_data.py: error: {e}")
     except OSError as e:  # a file that cannot be read or written: its path and the OS's reason, no traceback

@@ -33,7 +33,7 @@ DEFAULTS = dict(
 
 
 def main(argv):
-    cfg = configure(DEFAULTS, argv)
+    cfg = configure(DEFAULTS, argv, __file__)
     for key, ok in (('num_samples', cfg['num_samples'] >= 1), ('max_new_tokens', cfg['max_new_tokens'] >= 0),
                     ('temperature', 0 <= cfg['temperature'] < math.inf), ('top_k', cfg['top_k'] >= 0),
                     ('top_p', 0 < cfg['top_p'] <= 1)):

@@ -1322,7 +1322,7 @@ def test_bad_value_is_an_error_naming_the_key_before_anything_is_read(data, tmp_
     # Reference: the key and the value at the start of a one-line ConfigError; no data read, no out_dir made.
     # NaN has no literal, so each value is put in after configure() parsed the flags.
     real = train.configure
-    monkeypatch.setattr(train, 'configure', lambda defaults, argv: {**real(defaults, argv), key: value})
+    monkeypatch.setattr(train, 'configure', lambda defaults, *a: {**real(defaults, *a), key: value})
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # the same answer on a GPU machine
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
     monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: False)

@@ -296,12 +296,16 @@ def fail_for(monkeypatch, name, match, code):
     monkeypatch.setattr(os, name, fake)
 
 
-@pytest.mark.parametrize('fault', ['a-file', 'under-a-file', 'mkdir-EACCES', 'open-EACCES', 'write-ENOSPC'])
+@pytest.mark.parametrize('fault', ['a-file', 'under-a-file', 'mkdir-EACCES', 'open-EACCES', 'write-ENOSPC',
+                                   'fsync-ENOSPC', 'open-EACCES-new-dir'])
 def test_data_dir_that_cannot_be_written_is_an_error_before_the_input_is_read(tmp_path, monkeypatch, fault):
     # Reference: the path and the OS's reason in one line (no traceback), before the input is read; a file
-    # at data_dir's path untouched; nothing left in data_dir
+    # at data_dir's path untouched; nothing left in a data_dir that was there, and none left that was not
     path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
     out = tmp_path / 'out'
+    inside = lambda p: os.path.dirname(p) == str(out)  # noqa: E731
+    if fault in ('open-EACCES', 'write-ENOSPC', 'fsync-ENOSPC'):
+        out.mkdir()
     if fault == 'a-file':
         out.write_bytes(b'notes')
         reason = 'is a file, not a directory'
@@ -311,12 +315,20 @@ def test_data_dir_that_cannot_be_written_is_an_error_before_the_input_is_read(tm
     elif fault == 'mkdir-EACCES':
         fail_for(monkeypatch, 'mkdir', lambda p: p == str(out), errno.EACCES)
         reason = 'Permission denied'
-    elif fault == 'open-EACCES':  # root writes to a read-only directory: the error is faked
-        out.mkdir()
-        fail_open(monkeypatch, lambda p: os.path.dirname(p) == str(out), errno.EACCES)
+    elif fault.startswith('open-EACCES'):  # root writes to a read-only directory: the error is faked
+        fail_for(monkeypatch, 'open', inside, errno.EACCES)
         reason = 'Permission denied'
-    else:
-        fail_open(monkeypatch, lambda p: os.path.dirname(p) == str(out), errno.ENOSPC)
+    else:  # a full disk, seen at the write or only at the fsync
+        if not os.path.isdir('/proc/self/fd'):
+            pytest.skip('needs /proc to tell which file a descriptor is')
+        name = fault.split('-')[0]
+        real = getattr(os, name)
+
+        def full(fd, *a):
+            if inside(os.readlink(f'/proc/self/fd/{fd}')):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, *a)
+        monkeypatch.setattr(os, name, full)
         reason = 'No space left on device'
     input_not_read(monkeypatch)
     with pytest.raises(SystemExit) as e:
@@ -324,8 +336,10 @@ def test_data_dir_that_cannot_be_written_is_an_error_before_the_input_is_read(tm
     monkeypatch.undo()
     msg = str(e.value.code)
     assert msg.startswith('prepare_data.py: error: ') and str(out) in msg and reason in msg and '\n' not in msg, msg
-    if out.is_dir():
+    if fault in ('open-EACCES', 'write-ENOSPC', 'fsync-ENOSPC'):
         assert os.listdir(out) == []
+    elif fault != 'a-file':
+        assert not out.exists()  # made by the run, removed by it
     if fault == 'a-file':
         assert out.read_bytes() == b'notes'
         run = subprocess.run([sys.executable, os.path.join(HERE, 'prepare_data.py'), f'--input={path}',
@@ -379,6 +393,14 @@ def test_bad_values_are_errors_naming_them(tmp_path):
     for text in ('x', ''):  # the split would leave a split empty
         with pytest.raises(ValueError, match='input too small'):
             prepare(write(tmp_path / 'small.txt', text), 'char', str(tmp_path / 'out'), 0.1)
+    assert not (tmp_path / 'out').exists()  # a data_dir the failed run made is gone, with its parents kept
+    (tmp_path / 'kept').mkdir()
+    with pytest.raises(ValueError, match='input too small'):
+        prepare(write(tmp_path / 'small.txt', 'x'), 'char', str(tmp_path / 'kept'), 0.1)
+    assert os.listdir(tmp_path / 'kept') == []  # one that was there stays
+    with pytest.raises(ValueError, match='input too small'):
+        prepare(write(tmp_path / 'small.txt', 'x'), 'char', str(tmp_path / 'new' / 'out'), 0.1)
+    assert os.listdir(tmp_path / 'new') == []
     with pytest.raises(SystemExit, match="prepare_data.py: error: unknown tokenizer 'bpe'"):
         prepare_data.main([f'--input={path}', '--tokenizer=bpe'])
     with pytest.raises(SystemExit, match="prepare_data.py: error: .*'val_fractoin'"):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import model as model_module
 import train
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, key_comments
 from conftest import assert_rmsnorm_rounded_once, rmsnorm_bf16_case
 from model import (GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, rotary_tables,
                    sample_next)
@@ -802,6 +802,39 @@ def test_help_lists_every_key_with_its_default(flag, capsys):
     assert e.value.code == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert lines == [f"  {k} = {v!r}" for k, v in train.DEFAULTS.items()]
+
+
+def test_help_shows_the_comment_beside_each_default(tmp_path, capsys):
+    # Reference: the comments written in the source below, by hand: a key's first line only, continued by the
+    # comment-only lines under it at its column (not by one at another column, nor across a line of code)
+    src = tmp_path / 'script.py'
+    src.write_text("""
+\"\"\"a = 9  # not code: a docstring\"\"\"
+a = 1          # the first
+               # and its second line
+b = 'x'        # one line
+# a section heading
+c = 2.0
+d = dict(
+    e=3,      # inside dict(...),
+              # continued
+    f=4, g=5,  # two keys, one comment
+    # a heading inside
+)
+a = 7          # a later assignment: not a's comment
+""")
+    assert key_comments(str(src)) == {
+        'a': 'the first and its second line', 'b': 'one line', 'e': 'inside dict(...), continued',
+        'f': 'two keys, one comment', 'g': 'two keys, one comment'}
+    with pytest.raises(SystemExit):
+        configure({'a': 1, 'c': 2.0}, ['--help'], str(src))
+    assert capsys.readouterr().out.splitlines()[1:] == ["  a = 1  # the first and its second line", "  c = 2.0"]
+    with pytest.raises(SystemExit):
+        train.main(['-h'])
+    lines = capsys.readouterr().out.splitlines()
+    assert "  init_from = 'scratch'  # 'scratch', 'resume' from out_dir/ckpt.pt, or 'hf:PATH': the weights of a " \
+        "Hugging Face Llama/Qwen3 directory (model shape from its config.json)" in lines
+    assert "  seed = 1337" in lines and len(lines) == len(train.DEFAULTS) + 1
 
 
 def test_config_file_that_is_a_directory_or_not_utf8(tmp_path):

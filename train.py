@@ -150,7 +150,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 
 from configurator import configure, ConfigError, read_config_file  # noqa: E402
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
-from prepare_data import vocabulary  # noqa: E402
+from prepare_data import os_reason, probe_dir, vocabulary  # noqa: E402
 
 MODEL_KEYS = [k for k in GPTConfig().to_dict()]
 # what a resumed run must not change (dropout may; zero_init_proj only chose the initial weights)
@@ -219,12 +219,6 @@ def cpu_has_bf16():
 
 # ----------------------------------------------------------------------------------------------------
 # data
-
-def os_reason(e, path=None):
-    """An OSError in words ('Permission denied'), with the file it concerns where that is not `path`."""
-    reason = e.strerror or str(e) or type(e).__name__
-    return reason if e.filename in (None, path) else f"{reason}: {e.filename}"
-
 
 def check_readable(path, missing):
     """Open path and read a byte, so that a file that is missing or cannot be read is an error now, naming it."""
@@ -956,7 +950,7 @@ def setting_warnings(cfg):
 
 def main(argv):
     """Check the config, join the other processes under torchrun, run, leave."""
-    cfg = SimpleNamespace(**configure(DEFAULTS, argv))
+    cfg = SimpleNamespace(**configure(DEFAULTS, argv, __file__))
     check_config(cfg)
     # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain run is process 0 of 1
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
@@ -1175,27 +1169,12 @@ def describe_vocabulary(meta):
 
 
 def probe_out_dir(out_dir, key='out_dir'):
-    """Create out_dir, then create, write a byte to, fsync and remove a probe file with a unique name in it;
-    errors name it as the setting key (export.py: hf_dir)."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise TrainError(f"{key} {out_dir} is a file, not a directory")
+    """Create out_dir and write a probe file there (prepare_data.probe_dir); errors name it as the setting key
+    (export.py: hf_dir)."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise TrainError(f"{key} {out_dir} cannot be created: {os_reason(e, out_dir)}") from None
-    probe = None
-    try:
-        fd, probe = tempfile.mkstemp(prefix='.write-probe-', dir=out_dir)
-        try:
-            os.write(fd, b'\0')
-            os.fsync(fd)  # a full disk may only show here
-        finally:
-            os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        if probe and os.path.exists(probe):
-            os.remove(probe)
-        raise TrainError(f"{key} {out_dir} cannot be written: {os_reason(e, probe)}") from None
+        probe_dir(out_dir, key)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
 
 def move_earlier_run(r):
