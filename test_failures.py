@@ -1297,7 +1297,7 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 means the 
     'learning_rate': [0.0, -1e-3, NAN, INF], 'min_lr': [-1e-5, 0.02, NAN, INF],
     'weight_decay': [-0.1, NAN, INF], 'grad_clip': [-1.0, NAN, INF],
     'dropout': [-0.1, 1.0, NAN, INF], 'label_smoothing': [-0.1, 1.0, NAN, INF],
-    'beta1': [-0.1, 1.0, NAN, INF], 'beta2': [-0.5, 1.0, 1.5, NAN],
+    'beta1': [-0.1, 1.0, NAN, INF], 'beta2': [-0.5, 1.0, 1.5, NAN], 'muon_momentum': [-0.1, 1.0, NAN],
     'rope_base': [1.0, 0.5, 0.0, -10000.0, NAN, INF],
     'out_dir': [''], 'data_dir': [''],
     'muon_ns_steps': [0, -1], 'logit_softcap': [-1.0, NAN, INF],
@@ -1347,8 +1347,8 @@ def test_bad_value_from_the_command_line(data, tmp_path):
 
 
 @pytest.mark.parametrize('flags, named', [
-    (['--optimizer=adamw', '--muon_split=True', '--muon_ns_steps=3', '--muon_dtype=float32'],
-     ['muon_split=True', 'muon_ns_steps=3', "muon_dtype='float32'"]),
+    (['--optimizer=adamw', '--muon_split=True', '--muon_ns_steps=3', '--muon_dtype=float32', '--muon_momentum=0.9'],
+     ['muon_split=True', 'muon_ns_steps=3', "muon_dtype='float32'", 'muon_momentum=0.9']),
     (['--lr_schedule=cosine', '--wsd_decay_frac=0.4'], ['wsd_decay_frac=0.4']),
     (['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.4'], []),
     (['--compile_mode=max-autotune', '--fp8_recipe=rowwise', '--wandb_project=p', '--wandb_run_name=r'],

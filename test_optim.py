@@ -336,18 +336,19 @@ def spread_gradient(shape, generator, lo=1.0, hi=20.0):
     return (U * s) @ V.T, U @ V.T
 
 
-@pytest.mark.parametrize('ns_steps', [5, 2])
-def test_muon_update_matches_a_hand_written_step(ns_steps):
+@pytest.mark.parametrize('ns_steps, mu', [(5, 0.95), (2, 0.95), (5, 0.8)])
+def test_muon_update_matches_a_hand_written_step(ns_steps, mu):
     # Reference: Muon written from the papers (Jordan 2024; Liu et al. 2025, "match_rms_adamw"):
     # B <- mu B + g, nesterov u = g + mu B, O = NS5(u), W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O,
     # computed here in float64, for two steps with two different gradients (the second step tells nesterov
     # momentum from none: 30% apart). torch runs NS in bfloat16 (1.3% apart here), hence the 3% tolerance.
     # A wrong lr scaling ('original': 1 or sqrt(3) instead of 1.6 or 2.8), momentum without nesterov, or
     # weight decay left out (large wd here: 20-45% of the step) are far outside it; so is another number of
-    # Newton-Schulz iterations than muon_ns_steps (2 instead of 5 leaves the small singular values short).
-    lr, wd, mu = 2e-2, 4.0, 0.95
+    # Newton-Schulz iterations than muon_ns_steps (2 instead of 5 leaves the small singular values short), or
+    # a momentum other than muon_momentum (0.95 where 0.8 is set).
+    lr, wd = 2e-2, 4.0
     model = tiny_model(n_layer=2)
-    cfg = opt_cfg(optimizer='muon', learning_rate=lr, weight_decay=wd, muon_ns_steps=ns_steps)
+    cfg = opt_cfg(optimizer='muon', learning_rate=lr, weight_decay=wd, muon_ns_steps=ns_steps, muon_momentum=mu)
     optimizer = train.configure_optimizer(model, cfg, 'cpu')
     hidden = hidden_names(model)
     params = dict(model.named_parameters())

@@ -117,12 +117,13 @@ short_block_iters = 0           # at this iteration (each drawn window cut into 
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
 muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
 muon_ns_steps = 5               # muon: Newton-Schulz iterations per step (fewer: cheaper, rougher orthogonalization)
+muon_momentum = 0.95            # muon: the momentum of its matrices (Nesterov); beta1 is its AdamW groups'
 muon_dtype = 'auto'             # muon: Newton-Schulz in 'float32' or 'bfloat16'; 'auto': bf16 where the device
                                 # multiplies bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else float32
 optimizer_offload = False       # keep AdamW's state in CPU memory (torchao; one CUDA GPU)
 learning_rate = 6e-4            # muon uses it too: its updates are scaled to AdamW's RMS
 weight_decay = 0.1              # applied to matrices only, never to norms
-beta1 = 0.9                     # AdamW's (muon: its matrices' momentum is Muon's 0.95; beta1 is its AdamW's)
+beta1 = 0.9                     # AdamW's (muon: its AdamW groups'; its matrices' is muon_momentum)
 beta2 = 0.95
 grad_clip = 1.0                 # clip the global gradient norm to this; 0 disables clipping
 # learning rate: linear warmup, then a decay to min_lr at lr_decay_iters, then min_lr
@@ -521,8 +522,9 @@ def configure_optimizer(model, cfg, device_type, fused=None):
         hidden = [p for n, p in params if p.dim() == 2 and n.startswith('blocks.')]
         groups[0]['params'] = [p for n, p in params if p.dim() >= 2 and not n.startswith('blocks.')]
         parts = model.fused_parts() if cfg.muon_split else {}
-        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, ns_steps=cfg.muon_ns_steps,
-                    parts=parts, ns_dtype=getattr(torch, muon_ns_dtype(cfg.muon_dtype, device_type)[0]))
+        muon = Muon(hidden, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                    ns_steps=cfg.muon_ns_steps, parts=parts,
+                    ns_dtype=getattr(torch, muon_ns_dtype(cfg.muon_dtype, device_type)[0]))
         return Optimizers(muon, torch.optim.AdamW(groups, **kwargs, fused=fused or None))
     if cfg.optimizer in ('adamw8bit', 'paged_adamw8bit'):
         bnb = import_bitsandbytes(cfg.optimizer, device_type)
@@ -880,7 +882,8 @@ RANGES = [
     # min_lr above learning_rate would turn the cosine "decay" into a rise after warmup: never what was meant
     (('min_lr',), lambda v, c: 0 <= v <= c.learning_rate,
      'between 0 and learning_rate ({learning_rate}); min_lr = learning_rate keeps the rate constant after warmup'),
-    (('dropout', 'label_smoothing', 'beta1', 'beta2'), lambda v, c: 0 <= v < 1, 'at least 0 and less than 1'),
+    (('dropout', 'label_smoothing', 'beta1', 'beta2', 'muon_momentum'), lambda v, c: 0 <= v < 1,
+     'at least 0 and less than 1'),
     (('wsd_decay_frac',), lambda v, c: 0 < v <= 1, 'greater than 0 and at most 1 (1: the decay takes all of '
                                                    'lr_decay_iters after warmup)'),
     (('rope_base',), lambda v, c: v > 1, 'greater than 1 (the rotation frequencies are base^(-2i/d))'),
@@ -926,7 +929,7 @@ def check_device(name):
 # settings that only one choice of another reads: set away from their default under another choice, they
 # would change nothing, and report() says so rather than let a run look like it used them
 APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimizer', 'muon'),
-                'muon_dtype': ('optimizer', 'muon'),
+                'muon_dtype': ('optimizer', 'muon'), 'muon_momentum': ('optimizer', 'muon'),
                 'wsd_decay_frac': ('lr_schedule', 'wsd'), 'compile_mode': ('compile', True),
                 'fp8_recipe': ('fp8', True), 'wandb_project': ('wandb_log', True),
                 'wandb_run_name': ('wandb_log', True)}
