@@ -506,6 +506,26 @@ def test_hf_tokenizer_that_cannot_be_cut_is_refused(tmp_path):
         prepare_data.prepare(str(tmp_path / 'in.txt'), f'hf:{tmp_path}', str(tmp_path / 'data'), 0.1)
     assert not os.path.exists(tmp_path / 'data')
 
+
+@pytest.mark.parametrize('files, eot', [
+    ({'tokenizer_config.json': {'eos_token': {'content': '</s>', 'special': True}}}, 9),  # transformers' older form
+    ({'config.json': {'eos_token_id': [7, 9]}}, 7),  # a list: the first
+    ({}, None),
+], ids=['config-eos-dict', 'model-eos-list', 'none'])
+def test_hf_eos_token_and_vocab_size_of_a_model_directory(tmp_path, files, eot):
+    # Reference: the ids written into the tokenizer here, whose ids have gaps (2..6, 8): vocab_size is the top id + 1
+    tok = Tokenizer(models.WordLevel({'[UNK]': 0, 'hello': 1, 'cat': 7, '</s>': 9}, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / 'tokenizer.json'))
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    (tmp_path / 'in.txt').write_text('hello cat\n' * 20)
+    meta = prepare_data.prepare(str(tmp_path / 'in.txt'), f'hf:{tmp_path}', str(tmp_path / 'data'), 0.1)
+    assert meta['vocab_size'] == 10 and meta['eot_token'] == eot
+    train, val = (np.fromfile(tmp_path / 'data' / f'{s}.bin', np.uint16).tolist() for s in ('train', 'val'))
+    assert (train, val) == ([1, 7] * 19, [1, 7] + [eot] * (eot is not None))  # val: the last of 20 lines, an eot
+
+
 # ----------------------------------------------------------------------------------------------------
 # weights out
 

@@ -101,6 +101,8 @@ def test_char_tokenizer_errors():
         decode([1, 3])
     with pytest.raises(ValueError, match="'z'"):
         encode('abz')
+    with pytest.raises(ValueError, match='token id -1'):  # not chars[-1]
+        decode([1, -1])
 
 
 def test_char_more_than_65536_chars_uses_uint32(tmp_path):
@@ -117,6 +119,28 @@ def test_char_more_than_65536_chars_uses_uint32(tmp_path):
     assert max(train.max(), val.max()) == len(set(text)) - 1 > 65535  # no id wrapped around
     _, decode = get_tokenizer(meta)
     assert decode(train.tolist()) + decode(val.tolist()) == text
+
+
+@pytest.mark.parametrize('n_chars, dtype', [(65536, 'uint16'), (65537, 'uint32')])
+def test_char_dtype_at_the_uint16_boundary(tmp_path, n_chars, dtype):
+    # Reference: ids 0..65535 fit uint16, one more does not; n_chars distinct characters, the newline one of them
+    ranges = [range(0x4E00, 0xA000), range(0xAC00, 0xD7A4), range(0x20000, 0x2A6E0)]  # CJK, Hangul, CJK ext. B
+    chars = [chr(c) for r in ranges for c in r][:n_chars - 1]
+    text = ''.join(''.join(chars[i:i + 100]) + '\n' for i in range(0, len(chars), 100))
+    assert len(set(text)) == n_chars
+    prepare(write(tmp_path / 'cjk.txt', text), 'char', str(tmp_path / 'out'), 0.2)
+    meta, train, val = load(tmp_path / 'out')
+    assert meta['dtype'] == dtype and os.path.getsize(tmp_path / 'out' / 'train.bin') == train.size * train.itemsize
+    assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == text
+
+
+def test_newline_at_the_target_byte_ends_train(tmp_path):
+    # 20 bytes, val_fraction=0.5: the target, byte 10, is a newline, the first at or after it, so train ends there
+    text = 'a' * 10 + '\n' + 'b' * 8 + '\n'
+    meta = prepare(write(tmp_path / 'a.txt', text), 'char', str(tmp_path / 'out'), 0.5)
+    meta, train, val = load(tmp_path / 'out')
+    _, decode = get_tokenizer(meta)
+    assert (decode(train.tolist()), decode(val.tolist())) == ('a' * 10 + '\n', 'b' * 8 + '\n')
 
 
 def test_split_without_newline_after_target_keeps_characters_whole(tmp_path):
@@ -363,6 +387,19 @@ def test_write_error_names_the_file_and_leaves_no_complete_looking_dataset(tmp_p
         assert sorted(after) == ['train.bin', 'val.bin']  # the old meta.json is gone: incomplete
 
 
+def test_rename_error_names_both_paths(tmp_path, monkeypatch):
+    # os.replace fails as the OS fails it, naming source and destination. Reference: both paths and the reason
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    out = tmp_path / 'out'
+
+    def fail(src, dst):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), src, None, dst)
+    monkeypatch.setattr(os, 'replace', fail)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={path}', f'--data_dir={out}'])
+    assert str(e.value.code) == f"prepare_data.py: error: {out}/train.bin.tmp -> {out}/train.bin: Permission denied"
+
+
 def test_invalid_utf8_becomes_replacement_character(tmp_path):
     (tmp_path / 'a.txt').write_bytes(b'caf\xc3\xa9 \xff bad byte\n' * 20)
     meta = prepare(str(tmp_path / 'a.txt'), 'char', str(tmp_path / 'out'), 0.1)
@@ -389,6 +426,8 @@ def test_bad_values_are_errors_naming_them(tmp_path):
     with pytest.raises(ValueError, match='input too small'):
         prepare(write(tmp_path / 'small.txt', 'x'), 'char', str(tmp_path / 'new' / 'out'), 0.1)
     assert os.listdir(tmp_path / 'new') == []
+    with pytest.raises(ValueError, match='threads=-1'):
+        prepare(path, 'char', str(tmp_path / 'out'), 0.1, threads=-1)
     with pytest.raises(SystemExit, match="prepare_data.py: error: unknown tokenizer 'bpe'"):
         prepare_data.main([f'--input={path}', '--tokenizer=bpe'])
     with pytest.raises(SystemExit, match="prepare_data.py: error: .*'val_fractoin'"):
@@ -537,7 +576,7 @@ def test_mixed_inputs_streamed_in_tiny_chunks(tmp_path, monkeypatch, tokenizer):
         write(tmp_path / 'text' / f'{i:03d}.txt', d)
     prepare(str(tmp_path / 'text'), tokenizer, str(tmp_path / 'from_text'), 0.1)
     meta = prepare(','.join(inputs), tokenizer, str(tmp_path / 'whole'), 0.1)
-    assert meta['sources'] == inputs
+    assert meta['sources'] == inputs and meta['text_field'] == 'text'  # record files among the inputs
     monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 300)
     prepare(','.join(inputs), tokenizer, str(tmp_path / 'chunked'), 0.1, threads=1)
     for name in ('train.bin', 'val.bin'):
@@ -625,6 +664,52 @@ def test_bad_records_are_errors_naming_file_and_line(tmp_path, case):
     assert after == before
     with pytest.raises(SystemExit, match='prepare_data.py: error: .*' + message):
         prepare_data.main([f'--input={good},{bad}', f'--data_dir={tmp_path / "out"}'])
+
+
+def test_bad_utf8_in_records_becomes_replacement_character(tmp_path):
+    # Reference: the records' text with U+FFFD for a byte that is not UTF-8 and for a lone surrogate (a run of
+    # them collapsed here: the decoder may replace each byte of the surrogate's encoding)
+    lines = b'{"text": "caf\xff ok\\n"}\n{"text": "a\\ud800b\\n"}\n' * 10
+    (tmp_path / 'a.jsonl').write_bytes(lines)
+    meta = prepare(str(tmp_path / 'a.jsonl'), 'char', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    text = get_tokenizer(meta)[1](train.tolist() + val.tolist())
+    assert re.sub('\ufffd+', '\ufffd', text) == 'caf\ufffd ok\na\ufffdb\n' * 10
+
+
+def test_text_without_visible_ascii_around_newlines_streams_in_bounded_chunks(tmp_path, monkeypatch):
+    # every newline follows a space or a non-ASCII character, so no block can be cut at a newline between visible
+    # ASCII characters. Reference: the file's bytes, chunks of about CHUNK_BYTES (a line at most more), as in
+    # test_chunks_stream_a_bounded_amount_of_text
+    rng = random.Random(3)
+    words = ['über', 'naïve', '日本語', 'the', 'cat', '😀', '12']
+    text = ''.join(' '.join(rng.choice(words) for _ in range(rng.randrange(1, 6))) + rng.choice([' \n', 'é\n'])
+                   for _ in range(1000))
+    assert not prepare_data.SAFE_CUT.search(text.encode())
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 300)
+    path = write(tmp_path / 'a.txt', text)
+    split_at = prepare_data.find_split([path], [len(text.encode())], 'text', 0.1)
+    chunks = list(prepare_data.read_chunks([path], 'text', split_at))
+    assert b''.join(data for _, chunk in chunks for data, _ in chunk) == text.encode()
+    assert len(chunks) > 30 and all(sum(len(d) for d, _ in chunk) < 300 + 600 for _, chunk in chunks)
+
+
+@pytest.mark.parametrize('chunk_bytes', [None, 300])
+def test_cl100k_of_text_cut_after_a_space_and_newline(tmp_path, monkeypatch, chunk_bytes):
+    # as test_cl100k_matches_tiktoken, for lines that end in ' \n' (one token of cl100k's): blocks are cut after
+    # the newline, not between it and the space. Reference: tiktoken's encoding of train's and val's text whole
+    enc = cl100k_offline()
+    rng = random.Random(4)
+    words = ['über', 'naïve', '日本語', 'the', 'cat', '😀', '12']
+    text = ''.join(' '.join(rng.choice(words) for _ in range(rng.randrange(1, 6))) + ' \n' for _ in range(500))
+    if chunk_bytes:
+        monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', chunk_bytes)
+    prepare(write(tmp_path / 'a.txt', text), 'cl100k_base', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    data = text.encode()
+    k = expected_split(data, 0.1)
+    assert train.tolist() == enc.encode_ordinary(data[:k].decode())
+    assert val.tolist() == enc.encode_ordinary(data[k:].decode()) + [enc.eot_token]
 
 
 def test_text_field_names_the_field(tmp_path):

@@ -764,7 +764,7 @@ def test_rng_state_round_trip_numpy():
 
 def test_unknown_key_suggests_the_closest():
     # Reference: the misspelled key and the real key it is closest to.
-    with pytest.raises(ConfigError, match=r"'learning_rat'.*'learning_rate'"):
+    with pytest.raises(ConfigError, match=r"'learning_rat' in flag '--learning_rat=1'.*'learning_rate'"):
         configure(train.DEFAULTS, ['--learning_rat=1'])
     with pytest.raises(ConfigError, match=r"'n_layers'.*'n_layer'"):
         configure(train.DEFAULTS, ['--n_layers=2'])
@@ -785,6 +785,7 @@ def test_unknown_key_in_config_file(tmp_path):
     ('--learning_rate=fast', 'learning_rate', 'fast', 'float'),
     ('--batch_size=1.5', 'batch_size', '1.5', 'int'),
     ('--dropout=True', 'dropout', 'True', 'float'),  # a bool is not a number here
+    ('--batch_size=True', 'batch_size', 'True', 'int'),  # nor an int (though bool subclasses int)
 ])
 def test_wrong_type_names_key_value_and_type(arg, key, value, expected):
     # Reference: the flag's key, its value and the type of the key's default.
@@ -796,9 +797,10 @@ def test_wrong_type_names_key_value_and_type(arg, key, value, expected):
 
 @pytest.mark.parametrize('flag', ['--help', '-h'])
 def test_help_lists_every_key_with_its_default(flag, capsys):
-    # Reference: train.DEFAULTS, each key once with its repr; nothing after --help is read (a bad key there)
+    # Reference: train.DEFAULTS, each key once with its repr, the defaults even after a flag changed one;
+    # nothing after --help is read (a bad key there)
     with pytest.raises(SystemExit) as e:
-        configure(train.DEFAULTS, [flag, '--no_such_key=1'])
+        configure(train.DEFAULTS, ['--batch_size=3', flag, '--no_such_key=1'])
     assert e.value.code == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert lines == [f"  {k} = {v!r}" for k, v in train.DEFAULTS.items()]
@@ -900,6 +902,41 @@ def test_later_arguments_override_earlier(tmp_path):
     assert configure(train.DEFAULTS, ['--n_layer=7', '--n_layer=8'])['n_layer'] == 8
     cfg = configure(train.DEFAULTS, [str(a), str(b)])
     assert cfg['batch_size'] == 5 and cfg['n_head'] == train.DEFAULTS['n_head']
+
+
+def test_flag_value_is_after_the_first_equals_and_a_string_may_be_quoted():
+    # Reference: the text after the first '=', as written or without its quotes for a string key
+    cfg = configure(train.DEFAULTS, ['--out_dir=a=b', "--data_dir='data/x y'", '--wandb_run_name="run 1"'])
+    assert (cfg['out_dir'], cfg['data_dir'], cfg['wandb_run_name']) == ('a=b', 'data/x y', 'run 1')
+
+
+@pytest.mark.parametrize('flag', ['--out_dir', '--compile'])
+def test_flag_without_value_is_an_error(flag):
+    # Reference: the message; a string key must not silently become ''
+    with pytest.raises(ConfigError, match=re.escape(f"flag '{flag}' has no value: write {flag}=VALUE")):
+        configure(train.DEFAULTS, [flag])
+
+
+@pytest.mark.parametrize('source, message', [
+    ("n_layer = 2\n\nbatch_size = (4\n", "line 3: '(' was never closed"),
+    ("n_layer = n_head = 2\n", "line 1: only `name = literal` assignments are allowed, got: n_layer = n_head = 2"),
+    ("n_layer, n_head = 2, 2\n", "line 1: only `name = literal` assignments are allowed, got: n_layer, n_head = 2, 2"),
+    ("n_layer = 2\nn_head = n_layer * 2\n", "line 2: the value of 'n_head' is not a literal (expressions are not "
+                                             "evaluated): n_layer * 2"),
+], ids=['syntax', 'chained', 'tuple', 'expression'])
+def test_config_file_errors_name_the_line(tmp_path, source, message):
+    # Reference: the line (counted here by hand), the key and the source text of the statement refused
+    path = tmp_path / 'cfg.py'
+    path.write_text(source)
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{path}' {message}")):
+        configure(train.DEFAULTS, [str(path)])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    # Reference: the path given and the reason
+    path = tmp_path / 'nope.py'
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{path}' does not exist")):
+        configure(train.DEFAULTS, [str(path)])
 
 
 # ----------------------------------------------------------------------------------------------------
