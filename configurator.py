@@ -58,7 +58,7 @@ def read_config_file(path):
     if not os.path.isfile(path):
         raise ConfigError(f"config file '{path}' " + ("is a directory" if os.path.isdir(path) else "does not exist"))
     try:
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding='utf-8-sig') as f:  # -sig: a BOM, as some editors write, is dropped
             source = f.read()
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start})") from None

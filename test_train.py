@@ -848,6 +848,8 @@ def test_config_file_that_is_a_directory_or_not_utf8(tmp_path):
     path.write_bytes("out_dir = 'caf\u00e9'\n".encode('latin-1'))
     with pytest.raises(ConfigError, match=re.escape(f"config file '{path}' is not UTF-8 text (byte 14)")):
         configure(train.DEFAULTS, [str(path)])
+    path.write_bytes(b'\xef\xbb\xbfn_layer = 3\n')  # UTF-8 with a byte-order mark, as Python reads it too
+    assert configure(train.DEFAULTS, [str(path)])['n_layer'] == 3
 
 
 def test_wrong_type_in_config_file(tmp_path):
