@@ -144,6 +144,23 @@ def test_hf_model_loads_with_transformers_logits(hf_dirs, name):
         torch.testing.assert_close(ours(ids)[0], expected, rtol=0, atol=1e-5)
 
 
+def test_older_files_and_tied_models_that_store_the_head_load(hf_dirs, tmp_path):
+    # Reference: transformers' logits of the model as save_pretrained wrote it. Older transformers also saved each
+    # layer's RoPE frequencies (rotary_emb.inv_freq), and some tied checkpoints store lm_head.weight, equal to the
+    # embeddings: neither is a weight of its own, and the model is the same.
+    src = hf_dirs['llama3_rope']  # tied, one file
+    path = shutil.copytree(src, tmp_path / 'hf')
+    tensors = load_file(str(path / 'model.safetensors'))
+    assert 'lm_head.weight' not in tensors
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    tensors.update({f'model.layers.{i}.self_attn.rotary_emb.inv_freq': inv_freq.clone() for i in range(2)})
+    tensors['lm_head.weight'] = tensors['model.embed_tokens.weight'].clone()
+    save_file(tensors, str(path / 'model.safetensors'))
+    ids = torch.randint(V, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours_from_hf(str(path))(ids)[0], hf_model(src)(ids).logits, rtol=0, atol=1e-5)
+
+
 def test_llama3_rope_in_the_older_config_layout(hf_dirs, tmp_path):
     """Llama 3.2's own config.json has rope_scaling and rope_theta beside it (transformers before 5.0), not
     rope_parameters: the same model either way."""
@@ -446,6 +463,8 @@ def test_data_vocabulary_must_fit_the_model(hf_dirs, tmp_path):
     ('no_head', "lack lm_head.weight .tie_word_embeddings is false"),
     ('head_differs', "lm_head.weight differs from model.embed_tokens.weight"),
     ('shape', "model.layers.1.mlp.down_proj.weight: shape .64, 96. where config.json implies .64, 192."),
+    ('five_extra', r"no place for: extra\.0, extra\.1, extra\.2, extra\.3, extra\.4$"),  # all five: no 'and 0 more'
+    ('seven_extra', r"no place for: extra\.0, extra\.1, extra\.2, extra\.3, extra\.4 and 2 more$"),
 ])
 def test_refused_weights_name_the_tensor(hf_dirs, tmp_path, change, message):
     src = hf_dirs['llama_gqa'] if change != 'head_differs' else hf_dirs['qwen3']
@@ -458,6 +477,8 @@ def test_refused_weights_name_the_tensor(hf_dirs, tmp_path, change, message):
     elif change == 'head_differs':  # declared tied, but the file's head is its own matrix
         edit_config(src, tmp_path / 'tied', tie_word_embeddings=True)
         path = tmp_path / 'tied'
+    elif change.endswith('_extra'):
+        tensors.update({f'extra.{i}': torch.zeros(1) for i in range(5 if change == 'five_extra' else 7)})
     else:
         tensors['model.layers.1.mlp.down_proj.weight'] = tensors['model.layers.1.mlp.down_proj.weight'][:, :96].clone()
     save_file(tensors, str(path / 'model.safetensors'))
@@ -541,7 +562,8 @@ EXPORTS = {  # name: GPTConfig arguments beyond the common ones
                                              rope_scaling_factor=2.0, rope_low_freq_factor=2.0,
                                              rope_high_freq_factor=8.0, rope_original_max_len=24),
 }
-CHAR_META = dict(tokenizer='char', vocab_size=100, chars=''.join(chr(0x100 + i) for i in range(100)))
+# the characters not in code-point order (37 is prime to 100): char_vocab.json must keep the ids' order
+CHAR_META = dict(tokenizer='char', vocab_size=100, chars=''.join(chr(0x100 + 37 * i % 100) for i in range(100)))
 
 
 def our_checkpoint(path, seed, meta=CHAR_META, **overrides):
@@ -626,6 +648,9 @@ def test_export_bfloat16_and_refusals(tmp_path):
     assert tensors['model.layers.1.self_attn.q_proj.weight'].dtype == torch.bfloat16
     assert torch.equal(tensors['model.layers.1.self_attn.q_proj.weight'], q.bfloat16())
     assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['torch_dtype'] == 'bfloat16'
+    with pytest.raises(ValueError, match=re.escape("dtype='float64': expected 'float32', 'bfloat16' or 'float16'")):
+        export.main([f'--out_dir={tmp_path}', '--dtype=float64', f'--hf_dir={tmp_path / "hf64"}'])
+    assert not os.path.exists(tmp_path / 'hf64')
     our_checkpoint(tmp_path / 'gelu.pt', seed=0, mlp='gelu')
     with pytest.raises(ValueError, match="mlp='gelu': Llama and Qwen3 use SwiGLU"):
         export.main([f'--out_dir={tmp_path}', '--ckpt=gelu.pt'])
@@ -702,6 +727,7 @@ def test_export_writes_tiktoken_as_a_transformers_tokenizer(tmp_path):
     export.main([f'--out_dir={tmp_path}'])
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
     assert tok.eos_token == '<|endoftext|>' and tok.eos_token_id == enc.eot_token
+    assert tok.model_max_length == 48  # our_checkpoint's block_size
     text = ''.join(corpus()) + ' 1024 12345678 ÀÉ 日本語 😀 <|endoftext|> \r\n\n  \t x  '
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == enc.encode(text, allowed_special='all')
@@ -719,6 +745,8 @@ def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
     text = corpus()[0][:2000]
     assert tok.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
     assert tok.eos_token == '<|endoftext|>'
+    with open(os.path.join(tok_dir, 'tokenizer_config.json')) as f:  # as it came with the tokenizer
+        assert (tmp_path / 'tokenizer_config.json').read_text() == f.read()
     ckpt = load(os.path.join(out, 'ckpt.pt'))
     ours = GPT(GPTConfig(**ckpt['model_args']))
     ours.load_state_dict(ckpt['model'])
@@ -726,3 +754,17 @@ def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
     ids = torch.randint(V, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(ids)[0], theirs(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_export_of_an_hf_tokenizer_without_its_config_names_the_eos_token(tmp_path):
+    # Reference: the checkpoint's eot id and the token it stands for in tokenizer.json ('<eos>', id 1, after
+    # another special token), and the block size: transformers' tokenizer of the export must have them.
+    tok = Tokenizer(models.WordLevel({'<pad>': 0, '<eos>': 1, 'a': 2, 'b': 3}, unk_token='<pad>'))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(['<pad>', '<eos>'])
+    meta = dict(tokenizer='hf:/gone', vocab_size=4, eot_token=1, tokenizer_json=tok.to_str())
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=0, meta=meta)
+    export.main([f'--out_dir={tmp_path}'])
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
+    assert (theirs.eos_token, theirs.eos_token_id, theirs.model_max_length) == ('<eos>', 1, 48)
+    assert theirs.encode('a b a', add_special_tokens=False) == [2, 3, 2]

@@ -74,6 +74,9 @@ def test_series_are_the_records_fields():
     assert curves['train_loss'] == ([0, 2], [0, 64], [3.7, 3.4])
     assert curves['lr'] == ([1, 2, 3], [32, 64, None], [1e-3, 2e-3, 1.5e-3])
     assert curves['tokens_per_sec'][2] == [900.0, 1000.0, 1100.0]
+    # zeros are values (a schedule that starts or ends at lr 0); only null is left out
+    zeros = plot.series([{'iter': 0, 'tokens': 0, 'loss': 0.0, 'lr': 0.0, 'tokens_per_sec': 0.0}])
+    assert zeros == {k: ([0], [0], [0.0]) for k in ('loss', 'lr', 'tokens_per_sec')}
 
 
 def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
@@ -93,6 +96,12 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
         trains = [r for r in records if 'loss' in r]
         assert line_data(by_iter, f'{run}: loss') == ([r['iter'] for r in trains], [r['loss'] for r in trains])
         assert line_data(lr, run) == ([r['iter'] for r in trains], [r['lr'] for r in trains])
+        assert line_data(speed, run) == ([r['iter'] for r in trains], [r['tokens_per_sec'] for r in trains])
+    # each run in one color of its own, in every panel
+    colors = {run: {ln.get_color() for ax in figures[0].axes for ln in ax.lines if ln.get_label().startswith(run)}
+              for run in (a, b)}
+    assert all(len(c) == 1 for c in colors.values()) and colors[a] != colors[b], colors
+    assert [ax.get_xlabel() for ax in figures[0].axes] == ['iteration', 'tokens', 'iteration', 'iteration']
     tokens_lines = {tuple(ln.get_ydata()): list(ln.get_xdata()) for ln in by_tokens.lines}
     assert tokens_lines[(3.71, 3.45)] == [0, 64] and tokens_lines[(3.69, 3.5)] == [32, 64]  # no tokens: left out
 

@@ -349,6 +349,10 @@ def test_top_k_one_is_greedy_and_top_k_stays_in_top_k():
     got = sample_next(logits.clone(), 1.5, top_k=3, generator=g).squeeze(1).tolist()
     for row, token in zip(logits.tolist(), got):
         assert token in sorted(range(50), key=lambda i: -row[i])[:3]
+    for _ in range(100):  # a batch of fewer rows than k: k counts the vocabulary, not the rows
+        got = sample_next(logits[:2].clone(), 1.5, top_k=3, generator=g).squeeze(1).tolist()
+        for row, token in zip(logits[:2].tolist(), got):
+            assert token in sorted(range(50), key=lambda i: -row[i])[:3]
 
 
 def nucleus_ref(probs, p):
@@ -377,6 +381,35 @@ def test_top_p_samples_only_the_nucleus(top_p):
     mass = sum(probs[i] for i in kept)
     for i in kept:
         assert abs(counts[i] / n - probs[i] / mass) < 0.03  # about 4 standard deviations
+
+
+@pytest.mark.parametrize('n_tokens, top_p, kept', [(4, 0.5, 2), (4, 0.75, 3), (2, 0.5, 1)])
+def test_top_p_stops_at_the_token_whose_cumulative_probability_reaches_p_exactly(n_tokens, top_p, kept):
+    # Reference: nucleus_ref on equal logits, whose probabilities (1/4, 1/2) and sums are exact in float32: the
+    # nucleus ends at the token that reaches top_p, so exactly `kept` tokens appear among the samples
+    assert len(nucleus_ref([1 / n_tokens] * n_tokens, top_p)) == kept
+    samples = sample_next(torch.zeros(2000, n_tokens), 1.0, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert len(set(samples.flatten().tolist())) == kept
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [(2.0, None, 0.75), (0.5, None, 0.75), (1.0, 3, 0.8)])
+def test_top_p_applies_to_the_tempered_top_k_distribution(temperature, top_k, top_p):
+    # Reference: transformers' order (temperature, then top-k, then top-p), in float64 here: p ** (1/temperature)
+    # renormalized, the top_k most likely kept and renormalized, then nucleus_ref of that. Each case's nucleus
+    # differs from top-p on the untempered p ({1, 3, 4}) and from top-p over the whole vocabulary, not the top k.
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    tempered = [p ** (1 / temperature) for p in probs]
+    keep = sorted(range(5), key=lambda i: -tempered[i])[:top_k or 5]
+    mass = sum(tempered[i] for i in keep)
+    tempered = [t / mass if i in keep else 0.0 for i, t in enumerate(tempered)]
+    nucleus = nucleus_ref(tempered, top_p)
+    assert sorted(nucleus) != [1, 3, 4]
+    mass = sum(tempered[i] for i in nucleus)
+    want = [t / mass if i in nucleus else 0.0 for i, t in enumerate(tempered)]
+    n = 20000
+    logits = torch.tensor(probs).log().repeat(n, 1)
+    samples = sample_next(logits, temperature, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert_frequencies(samples.squeeze(1), want)
 
 
 def test_vocab_limit_masks_padding_ids():
@@ -1084,6 +1117,60 @@ def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, 
     assert seen == [dict(temperature=0.0, top_k=200, top_p=1.0), dict(temperature=1.0, top_k=1, top_p=1.0),
                     dict(temperature=1.0, top_k=None, top_p=0.001), dict(temperature=1.0, top_k=None, top_p=1.0),
                     dict(temperature=0.7, top_k=5, top_p=0.9)]
+
+
+def sample_checkpoint(path):
+    """A fresh tiny model (block_size 16, near-uniform over its 32 ids) saved as a checkpoint of 32 characters."""
+    model = tiny_model().eval()
+    chars = ''.join(chr(0x100 + i) for i in range(32))
+    train.save_checkpoint(str(path / 'ckpt.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
+                                                  'meta': dict(tokenizer='char', vocab_size=32, chars=chars)})
+    return model, chars
+
+
+def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
+    # Reference: greedy decoding by GPT.generate called here on the last block_size (16) characters of a longer
+    # prompt; the same prompt given inline and through --start=FILE:; the prompt alone at max_new_tokens=0; the
+    # same text for the same --seed and another for another seed (8 tokens, near-uniform over 32 ids)
+    import sample
+    model, chars = sample_checkpoint(tmp_path)
+    separator = '\n' + '-' * 80 + '\n'
+
+    def run(*flags):
+        capsys.readouterr()
+        sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', '--num_samples=1',
+                     '--max_new_tokens=8', *flags])
+        return capsys.readouterr()
+
+    prompt = ''.join(chars[5 * i % 32] for i in range(20))  # no character twice: 4 past block_size
+    want = model.generate(torch.tensor([[chars.index(c) for c in prompt[-16:]]]), 8, temperature=0)[0].tolist()
+    printed = run(f'--start={prompt}', '--temperature=0')
+    assert printed.out == ''.join(chars[i] for i in want) + separator
+    assert "the prompt's 20 tokens are cut to the model's block_size, its last 16" in printed.err
+    assert 'cut' not in run(f'--start={prompt[:16]}', '--temperature=0').err  # exactly block_size: whole
+    (tmp_path / 'prompt.txt').write_text(prompt[:6], encoding='utf-8')
+    assert run(f'--start=FILE:{tmp_path / "prompt.txt"}', '--temperature=0').out == \
+        run(f'--start={prompt[:6]}', '--temperature=0').out
+    assert run(f'--start={prompt[:6]}', '--max_new_tokens=0').out == prompt[:6] + separator
+    sampled = [run(f'--start={prompt[:6]}', '--temperature=1.0', '--top_k=0', f'--seed={seed}').out
+               for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    with pytest.raises(ConfigError, match=re.escape(f"--start=FILE:{tmp_path / 'none.txt'}: cannot read ")):
+        run(f'--start=FILE:{tmp_path / "none.txt"}')
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--num_samples=0', 'num_samples=0 is out of range'), ('--max_new_tokens=-1', 'max_new_tokens=-1 is out of range'),
+    ('--temperature=-0.5', 'temperature=-0.5 is out of range'), ('--top_k=-1', 'top_k=-1 is out of range'),
+    ('--top_p=0.0', 'top_p=0.0 is out of range'), ('--top_p=1.5', 'top_p=1.5 is out of range'),
+    ('--start=', '--start is empty'),
+])
+def test_sample_settings_out_of_range_are_config_errors_naming_them(tmp_path, flag, message):
+    # Reference: the messages; a ConfigError is sample.py's one-line error, a ValueError from sample_next a traceback
+    import sample
+    sample_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', flag])
 
 
 def test_train_cli_reports_config_errors_without_traceback(tmp_path):
