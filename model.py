@@ -244,7 +244,10 @@ class CausalSelfAttention(nn.Module):
         # NOTE: is_causal aligns the mask to the top-left corner, so with a cache it is only right for a
         # prefill (empty cache); a single new token attends to every cached position, no mask needed.
         assert cache is None or T == 1 or k.size(2) == T, "decode one token at a time after the prefill"
-        y = attend(q, k, v, is_causal=(T > 1), enable_gqa=(H != Hkv), dropout_p=self.dropout if self.training else 0.0)
+        # NOTE: `cache is None or`: without a cache, a plain bool, not T > 1, which under dynamic shapes (windows of
+        # short_block_size) is symbolic, a type SDPA refuses: a graph break that sent the model's forward to eager
+        causal = cache is None or T > 1
+        y = attend(q, k, v, is_causal=causal, enable_gqa=(H != Hkv), dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
         return F.dropout(self.proj(y), self.dropout, self.training)
 

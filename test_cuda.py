@@ -424,7 +424,7 @@ def test_paged_resume_of_a_state_that_does_not_fit_is_an_error(fake_pager):
 # ----------------------------------------------------------------------------------------------------
 # 4, 5. compile: DDP with activation checkpointing; out of memory in the warm-up
 
-def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', compiled=None):
+def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', compiled=None, iter_num=0, **cfg):
     """train.compile_model on a tiny model with torch.compile replaced: it records Dynamo's optimize_ddp at
     the time of the call and returns `compiled` (default: the module itself, run eagerly)."""
     seen = {}
@@ -436,7 +436,8 @@ def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', c
     model = tiny_model()
     model.activation_checkpointing = checkpointing
     x, y = batches(1)[0].next()
-    r = SimpleNamespace(cfg=opt_cfg(compile=True, activation_checkpointing=checkpointing, parallelism=parallelism),
+    r = SimpleNamespace(cfg=opt_cfg(compile=True, activation_checkpointing=checkpointing, parallelism=parallelism,
+                                    **cfg), iter_num=iter_num,
                         world=world, model=model, wrapped=model, device='cpu', device_type='cpu',
                         optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
                         batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext())
@@ -456,6 +457,34 @@ def test_ddp_graph_split_is_off_with_activation_checkpointing(monkeypatch, world
     assert seen['optimize_ddp'] is split
     assert note.startswith('on (mode default)')
     assert ('optimize_ddp off' in note) is (not split)
+
+
+class Shapes(torch.nn.Module):
+    """A compiled model that records the shape of each training call's input, then runs the model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.shapes = model, []
+
+    def forward(self, x, y=None, **kwargs):
+        if self.training:
+            self.shapes.append(tuple(x.shape))
+        return self.model(x, y, **kwargs)
+
+
+@pytest.mark.parametrize('iter_num, max_iters, want', [
+    (0, 100, [(4, 16), (16, 4), (8, 8)]),  # every window, block_size first
+    (3, 100, [(4, 16), (16, 4), (8, 8)]), (4, 100, [(4, 16), (8, 8)]),  # resumed: the windows still ahead
+    (0, 2, [(4, 16), (16, 4)]),  # a run that ends in the first window
+    (8, 100, [(4, 16)])])
+def test_compile_warms_up_every_window_still_ahead(monkeypatch, iter_num, max_iters, want):
+    # Reference: the windows by hand. block_size 16, short_block_size 4 doubled halfway through short_block_iters=8:
+    # iterations 0-3 train on 4 tokens ((4, 16) reshaped to (16, 4)), 4-7 on 8, then 16. Each shape is compiled
+    # before training, so that no step's time in the log includes a compile.
+    model = Shapes(tiny_model())
+    _, (compiled, note) = compile_run(monkeypatch, compiled=model, iter_num=iter_num, block_size=16,
+                                      short_block_size=4, short_block_iters=8, max_iters=max_iters)
+    assert compiled is model and model.shapes == want and note.startswith('on')
 
 
 class Raising:

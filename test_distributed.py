@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from conftest import write_dataset
+from model import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(1)  # the tiny models here; see test_train.py
@@ -325,6 +326,14 @@ def test_only_rank_zero_prints_and_logs(par6, single6):
     for pattern in (r'^config:$', r'^model: ', r'^optimizations:$', r'^done: '):
         assert len(re.findall(pattern, out, re.M)) == 1, (pattern, out[-3000:])
     assert f'{"FSDP2" if par6.parallelism == "fsdp" else "DDP"}, 2 processes' in out
+    # the optimizer state per parameter that a process holds, as in one process (FSDP: its shards, about half)
+    state = r'optimizer state: ([0-9.]+) bytes per parameter \(adamw\)'
+    (one,), [(two, held)] = (re.findall(state + ', ', single6.output),
+                             re.findall(state + r', [0-9.,]+ MiB per process \(its ([0-9,]+) parameters\)', out))
+    total = sum(p.numel() for p in GPT(GPTConfig(**single6.ckpt()['model_args'])).parameters())
+    held = int(held.replace(',', ''))
+    assert float(two) == pytest.approx(float(one), rel=0.05), out[-3000:]
+    assert held == total if par6.parallelism == 'ddp' else total / 2 <= held < 0.6 * total, (held, total)
     # metrics.jsonl: exactly one line per logged iteration, in the loop's order
     assert [(kind(r), r['iter']) for r in par6.metrics()] == \
         [('eval', 0)] + [('train', i) for i in (1, 2, 3)] + [('eval', 3)] + \

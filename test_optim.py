@@ -686,6 +686,23 @@ def test_selective_checkpointing_same_loss_and_grads(dropout):
             torch.testing.assert_close(g[n], g0[n], rtol=1e-6, atol=1e-9, msg=f'{mode}: {n}')
 
 
+def test_model_compiles_in_one_graph_under_dynamic_shapes():
+    # Reference: the eager model, and Dynamo's fullgraph=True, which raises at any graph break. short_block_size's
+    # windows give the compiled model inputs of several shapes, and Dynamo then makes their sizes symbolic: SDPA's
+    # is_causal computed from one (T > 1) broke the graph and ran the whole forward eager.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    x = torch.randint(0, 64, (2, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend='eager', fullgraph=True, dynamic=True)
+    for window in (4, 8, 16):
+        xs = x.reshape(-1, window)
+        _, loss = compiled(xs, xs)
+        loss.backward()
+        torch.testing.assert_close(loss, model(xs, xs)[1], rtol=1e-6, atol=0)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize('mode', ['full', 'selective'])
 def test_checkpointed_model_compiles_in_one_graph(mode):
     # Reference: the eager model without checkpointing. Dynamo alone (backend='eager': no code generation,

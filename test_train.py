@@ -1693,6 +1693,39 @@ def test_short_windows_double_up_to_block_size_at_short_block_iters(speedrun_run
     assert shapes == want
 
 
+def test_time_left_and_mfu_of_a_log_line_by_a_fake_clock(speedrun_run, tmp_path, monkeypatch):
+    # Reference: a fake clock on which each training step takes 2 s and each evaluation (with its plot and
+    # checkpoints) 30 s, and a fake peak of 1e9 FLOP/s; by hand, for 10 iterations of 4 x 16 tokens with
+    # evaluations at 0, 4, 8 and 10 and windows of 4 tokens (iterations 0, 1), 8 (2, 3), then 16:
+    # - time left at iteration k: (10 - k) steps of 2 s and 30 s for each evaluation still to come (those at 4, 8
+    #   and 10 at k=3; at 8 and 10 at k=6; at 10 at k=9): 104 s, 68 s, 32 s;
+    # - MFU: each step's FLOPs at its own window over the interval's time (at k=3: windows 4, 4 and 8).
+    now = [time_module.time()]
+    monkeypatch.setattr(train, 'time', SimpleNamespace(time=lambda: now[0], strftime=time_module.strftime))
+
+    def taking(seconds, f):
+        def timed(*args, **kwargs):
+            out = f(*args, **kwargs)
+            now[0] += seconds
+            return out
+        return timed
+    monkeypatch.setattr(train, 'train_step', taking(2.0, train.train_step))
+    monkeypatch.setattr(train, 'estimate_loss', taking(30.0, train.estimate_loss))
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': 1e9)
+    out = tmp_path / 'out'
+    flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={out}', '--max_iters=10',
+                           '--log_interval=3', '--short_block_size=4', '--short_block_iters=4']
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert train.main(flags) == 0
+    left = re.findall(r'^iter (\d+): loss .* ms/iter, .* (\d+)m(\d\d)s left', printed.getvalue(), re.M)
+    assert [(int(k), 60 * int(m) + int(s)) for k, m, s in left] == [(3, 104), (6, 68), (9, 32)]
+    flops = GPT(GPTConfig(**torch.load(out / 'ckpt.pt', weights_only=True)['model_args'])).flops_per_token
+    mfu = {r['iter']: r['mfu'] for r in read_metrics(out) if 'mfu' in r}
+    step_flops = {3: [flops(4), flops(4), flops(8)], 6: [flops(16)] * 2, 9: [flops(16)]}
+    assert mfu == pytest.approx({k: 64 * sum(f) / (2.0 * len(f)) / 1e9 for k, f in step_flops.items()}, rel=1e-9)
+
+
 def test_start_time_is_taken_before_the_heavy_imports():
     # Reference: a clock read just before `import train` in a fresh interpreter: START_TIME must follow it
     # within a small part of the import (which loads torch, a second or more).

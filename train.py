@@ -25,8 +25,8 @@ keys and wrong types are errors; check_config: values out of range are errors). 
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
   muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
-- activation checkpointing (full or selective), torch.compile (loud fallback to eager if it fails, a stop
-  with advice if it runs out of memory), periodic eval.
+- activation checkpointing (full or selective), torch.compile (every window shape compiled before training;
+  loud fallback to eager if it fails, a stop with advice if it runs out of memory), periodic eval.
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
@@ -38,7 +38,8 @@ keys and wrong types are errors; check_config: values out of range are errors). 
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
-- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left; the same in out_dir/metrics.jsonl
+- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
+  the same in out_dir/metrics.jsonl
   (each line with time_s, the wall seconds since the process started),
   drawn into out_dir/metrics.png at each evaluation (plot_metrics, with plot.py) and, with wandb_log=True,
   sent to Weights & Biases (start_wandb); where the optimizer state lives (state_where: GPU, CPU or paged
@@ -580,6 +581,11 @@ def state_tensors(optimizer):
                     t = t.to_local() if hasattr(t, 'to_local') else t
                     seen[t.device, t.data_ptr()] = t
     return list(seen.values())
+
+
+def local_params(model):
+    """The parameters this process holds: all of them, or under FSDP its shards' elements."""
+    return sum((p.to_local() if hasattr(p, 'to_local') else p).numel() for p in model.parameters())
 
 
 def optimizer_state_bytes(optimizer):
@@ -1343,11 +1349,15 @@ def compile_model(r):
         torch._dynamo.config.optimize_ddp = False
         note += ', one graph under DDP (optimize_ddp off for activation checkpointing: no all-reduce overlap)'
     compiled = torch.compile(r.wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
+    # short_block_size: each window's shape is compiled now too, not at its first step (in the timed figures)
+    windows = {window_at(i, cfg) for i in range(r.iter_num, min(cfg.max_iters, cfg.short_block_iters))}
     try:  # compilation happens at the first call
         with torch.random.fork_rng(devices=[r.device] if r.device_type == 'cuda' else []):
             x, y = r.batches.next_batch  # a real batch (same shapes and strides), not consumed
-            with r.autocast:
-                compiled(x, y, label_smoothing=cfg.label_smoothing)[1].backward()
+            for window in [x.size(1)] + sorted(windows - {x.size(1)}):  # block_size first
+                with r.autocast:
+                    compiled(x.reshape(-1, window), y.reshape(-1, window),
+                             label_smoothing=cfg.label_smoothing)[1].backward()
             compiled.eval()
             with torch.no_grad(), r.autocast:
                 compiled(x, y)
@@ -1462,6 +1472,12 @@ def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
             for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
 
 
+def evals_left(it, cfg):
+    """The evaluations at iterations it to max_iters (the one at `it` runs before its step): every eval_interval,
+    and one at max_iters."""
+    return cfg.max_iters // cfg.eval_interval - (it - 1) // cfg.eval_interval + (cfg.max_iters % cfg.eval_interval > 0)
+
+
 def tokens_per_iter(cfg):
     return cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
 
@@ -1540,7 +1556,8 @@ def train_loop(r):
                             + ['--init_from=resume'])
 
     def evaluate():
-        nonlocal saved_iter, t0, t0_iter
+        nonlocal saved_iter, t0, t0_iter, eval_s, windows
+        start = time.time()
         losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
         say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
         log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens,
@@ -1551,7 +1568,8 @@ def train_loop(r):
         r.best_val_loss = min(r.best_val_loss, losses['val'])
         save(r, *([r.best_path] if improved else []), r.ckpt_path)
         saved_iter = r.iter_num
-        t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
+        t0, t0_iter, windows = time.time(), r.iter_num, 0  # keep evaluation out of the throughput figures
+        eval_s = t0 - start  # evaluation, plot and checkpoints: the time left counts those to come
 
     with stop_on_signals() as stop:
         if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
@@ -1560,7 +1578,7 @@ def train_loop(r):
             torch.manual_seed(cfg.seed + r.rank + r.iter_num)
         state_reported = False
         bad_steps, skipped, saved_iter = 0, 0, (r.iter_num if cfg.init_from == 'resume' else None)
-        t0, t0_iter = time.time(), r.iter_num
+        t0, t0_iter, windows, eval_s = time.time(), r.iter_num, 0, 0.0  # windows: their sum since t0
         while True:
             # every eval_interval, and at the end (max_iters need not be a multiple of it)
             if (r.iter_num % cfg.eval_interval == 0 or r.iter_num >= cfg.max_iters) and r.last_eval != r.iter_num:
@@ -1573,7 +1591,7 @@ def train_loop(r):
             window = window_at(r.iter_num, cfg)
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
                                         cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
-            r.iter_num, r.tokens = r.iter_num + 1, r.tokens + tokens_per_iter(cfg)
+            r.iter_num, r.tokens, windows = r.iter_num + 1, r.tokens + tokens_per_iter(cfg), windows + window
             if not ok:
                 bad_steps, skipped = bad_steps + 1, skipped + 1
                 say(f"iter {r.iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
@@ -1589,9 +1607,11 @@ def train_loop(r):
                 dt = time.time() - t0
                 ms_per_iter = 1000 * dt / max(1, r.iter_num - t0_iter)
                 tokens_per_sec = tokens_per_iter(cfg) * (r.iter_num - t0_iter) / dt
-                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, window)  # per GPU
+                # per GPU; the mean window since t0 (FLOPs per token are linear in it), short_block_size's doubling
+                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype,
+                                           windows / max(1, r.iter_num - t0_iter))
                 mem = peak_memory_mb(r.device_type)
-                left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000
+                left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000 + evals_left(r.iter_num, cfg) * eval_s
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
                     f"{tokens_per_sec:,.0f} tok/s, "
                     + (f"mfu {100 * mfu:.1f}% of {PEAK_LABEL[r.dtype]} peak, " if mfu is not None else '')
@@ -1600,11 +1620,12 @@ def train_loop(r):
                 log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, 'loss': loss, 'lr': lr,
                                 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': mem})
                 if not state_reported:  # the state exists once a step has run
-                    say(f"optimizer state: {optimizer_state_bytes(r.optimizer) / r.model.num_params():.2f} bytes "
-                        f"per parameter ({cfg.optimizer}" + (', per process' if world > 1 else '') + '), '
+                    held, state = local_params(r.model), optimizer_state_bytes(r.optimizer)
+                    say(f"optimizer state: {state / held:.2f} bytes per parameter ({cfg.optimizer}), "
+                        + (f"{state / 2**20:,.1f} MiB per process (its {held:,} parameters), " if world > 1 else '')
                         + state_where(r.optimizer))
                     state_reported = True
-                t0, t0_iter = time.time(), r.iter_num
+                t0, t0_iter, windows = time.time(), r.iter_num, 0
             if agree(bool(stop), r.device, every=False):  # a signal to any process stops them all, at one step
                 save(r, r.ckpt_path)
                 signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
