@@ -40,7 +40,9 @@ preset takes config/train_gpt2.py's 16 x 1024 x 32 = 524,288 tokens per step, so
 and the per-step sync weigh what they weigh in that run (tiny and small: one micro-batch per step, as
 config/train_small.py does; --gradient_accumulation_steps sets it for any preset).
 Each rung: `warmup` steps untimed, then the median of `repeats` device-synchronized timings of `steps`
-steps. MFU: model.estimate_mfu (float32 against the TF32 peak; n/a off A100/H100/H200). Peak memory:
+steps. MFU: model.estimate_mfu, against the peak of the rung's matmuls, named in each cell (mfu_peak): TF32 for
+float32 with TF32, bf16 for bf16 (FP8 too, as train.py), fp16 for fp16; n/a for float32 without TF32 (no such
+peak listed), on a GPU model.PEAK_FLOPS does not list and off CUDA. Peak memory:
 torch.cuda.max_memory_allocated over the timed steps (n/a on CPU). Activation memory (activation_mb, on
 every device): the bytes saved for backward in one micro-step, after the timed steps (activation_bytes).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
@@ -352,8 +354,11 @@ def run_rung(s, env, timed=nullcontext):
         optimizer.zero_grad(set_to_none=True)
     ms = 1000 * statistics.median(times)
     tokens_per_sec = env.batch_size * env.block_size * env.gradient_accumulation_steps / (ms / 1000)
+    # NOTE: float32 without TF32 (rung 1) has no peak in PEAK_FLOPS: the TF32 one would understate it several-fold
+    plain_fp32 = s['dtype'] == 'float32' and not s['tf32']
+    mfu = None if plain_fp32 else model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size)
     return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
-                mfu=model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size),
+                mfu=mfu, mfu_peak=train.PEAK_LABEL[s['dtype']] if mfu is not None else None,
                 peak_mem_mb=peak,  # over the timed steps only
                 activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20,
                 **({'timed': watcher} if watcher is not None else {}))
@@ -376,7 +381,7 @@ def ladder(env):
         row = dict(rung=i, name=name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name,
                    precision=precision(trial, env.fp8_recipe), settings=trial, status='ok',
                    reason=why_skip(change, env), builds_on=base_row and base_row['name'],
-                   **{key: None for key, _ in COLUMNS.values()})
+                   mfu_peak=None, **{key: None for key, _ in COLUMNS.values()})
         if env.rungs and i not in env.rungs:
             row.update(status='not run', reason='not in --rungs', builds_on=None)
             if not (top or why_skip(change, env)):  # a rung left out still builds the next ones, and the next
@@ -431,6 +436,8 @@ def variants_line(meta, ran):
 
 def markdown(rows, meta):
     shape = ', '.join(f"{k}={meta['model'][k]}" for k in SHAPE)
+    first = next((r for r in rows if r['status'] == 'ok'), None)
+    baseline = f"rung {first['rung']} ({first['name']}), the first that ran" if first else 'no rung (none ran)'
     lines = ["# bench.py: ablation ladder", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
              f"- device: {meta['device']}; torch {meta['torch']}",
              f"- model: {shape}; {meta['params'] / 1e6:.2f}M parameters",
@@ -440,7 +447,8 @@ def markdown(rows, meta):
              f"- data: {meta['data']}", variants_line(meta, [r['settings'] for r in rows if r['status'] in
                                                               ('ok', 'failed')]),
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
-             f"peak memory: {meta['memory']}; vs prev: over the rung it builds on; loss: after the timed steps",
+             f"peak memory: {meta['memory']}; vs baseline: over {baseline}; vs prev: over the rung it builds on; "
+             "loss: after the timed steps",
              "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
              "buffers excluded (bench.activation_bytes)", "",
              '| # | rung | precision | ' + ' | '.join(COLUMNS) + ' | note |',
@@ -448,6 +456,8 @@ def markdown(rows, meta):
     for r in rows:
         ok = r['status'] == 'ok'
         cells = ['-' if not ok else 'n/a' if r[key] is None else spec.format(r[key]) for key, spec in COLUMNS.values()]
+        if ok and r['mfu'] is not None:
+            cells[list(COLUMNS).index('MFU')] += f" of {r['mfu_peak']}"  # the peak it is measured against
         note = '' if ok else f"{r['status']}: {r['reason']}".replace('|', '/').replace('\n', ' ')
         lines.append('| ' + ' | '.join([str(r['rung']), r['name'], r['precision'], *cells, note]) + ' |')
     return '\n'.join(lines) + '\n'
@@ -504,7 +514,9 @@ def fit(env):
     # rung 7: eager, since compile would recompile for every size; compiled code usually needs less memory
     s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True,
          'chunked_loss': True}
-    env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 1  # step 2 holds the states
+    # step 2 holds the optimizer state; its second micro-step the gradients too, as train.py's micro-steps after the
+    # first do (4 bytes per parameter: a batch that fits without them can run out of memory with accumulation)
+    env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 2
     n = max(1, env.tokens_per_step // env.block_size)  # sequences per optimizer step: no need to go past them
     print(f"fit: {env.meta['device']}, {env.meta['params'] / 1e6:.1f}M params, block_size {env.block_size}, "
           f"{precision(s, env.fp8_recipe)}, eager; {n * env.block_size:,} tokens per optimizer step")
@@ -555,7 +567,9 @@ def fit(env):
 # ----------------------------------------------------------------------------------------------------
 # profile mode
 
-# kernel (or CPU operator) name -> kind; the first pattern that matches wins, in this order
+# kernel (or CPU operator) name -> kind; the first pattern that matches wins, in this order. 'optimizer': whatever
+# Optimizer.step launches (kernel_times), and by name the foreach kernels outside it: gradient clipping's norm and
+# scaling and the GradScaler's unscale, the rest of the update
 KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 'newton')),
          ('attention', ('flash', 'fmha', 'attention', 'sdpa')),
          ('matmul', ('gemm', 'matmul', 'cutlass', 'nvjet', 'xmma', 'wgmma', 'aten::mm', 'aten::addmm', 'aten::bmm',
@@ -649,7 +663,7 @@ def profile(env):
                  k for k, v in s.items() if v is True), variants_line(meta, [s]),
              f"- profiled: {env.steps} step(s) after {env.warmup} warm-up "
              f"step(s): {wall_ms:,.1f} ms wall, {row['tokens_per_sec']:,.0f} tokens/s" + (
-                 f", MFU {row['mfu']:.1%}" if row['mfu'] else ''), '',
+                 f", MFU {row['mfu']:.1%} of the {row['mfu_peak']} peak" if row['mfu'] else ''), '',
              '| kind | time (ms) | share |', '|---|---:|---:|']
     lines += [f"| {kind} | {t / 1000:,.1f} | {t / total:.1%} |" for kind, t in shares.most_common()]
     if cuda:

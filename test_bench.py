@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import bench
 import train
 from configurator import configure
+import model as model_module
 from model import GPT, CausalSelfAttention, GPTConfig, rope_cache
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,7 +33,7 @@ TINY = ['--preset=tiny', '--compile=False', '--device=cpu', '--data_dir=no-such-
 TOL = 1e-5  # fp32 rungs that change only speed end within ~3e-7 of the baseline's loss on the CPU
 ROW_KEYS = {'rung', 'name', 'precision', 'settings', 'status', 'reason', 'builds_on', 'ms_per_iter',
             'tokens_per_sec', 'mfu', 'peak_mem_mb', 'activation_mb', 'optimizer_state_mb', 'loss',
-            'speedup_vs_baseline', 'speedup_vs_prev'}
+            'speedup_vs_baseline', 'speedup_vs_prev', 'mfu_peak'}
 META_KEYS = {'command', 'date', 'device', 'torch', 'model', 'params', 'batch_size', 'block_size',
              'gradient_accumulation_steps', 'tokens_per_iter', 'step_note', 'warmup', 'steps', 'repeats', 'data',
              'rungs', 'variants'}
@@ -268,7 +269,6 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     # Reference: what each rung asks of SDPA, torch.compile and the loss, recorded as it runs: --sdpa_backend on
     # the rungs from 4 on (the math kernel before them), --compile_mode on the compile rung, --loss_chunk_tokens
     # on the chunked-loss rungs only (0: the plain loss there too; -1: model.py's size, 2^19 at 128 tokens).
-    import model as model_module
     seen, real_kernel, real_apply = [], bench.sdpa_kernel, model_module.ChunkedCrossEntropy.apply
     real_run_rung = bench.run_rung
 
@@ -431,6 +431,39 @@ def test_a_bad_setting_is_a_config_error_naming_it(flag, message):
     # (a ConfigError is printed as one line, where these were tracebacks of ValueError or RuntimeError)
     with pytest.raises(bench.ConfigError, match=re.escape(message)):
         bench.setup([*TINY, flag])
+
+
+def test_fit_tries_micro_steps_that_hold_the_gradients(tmp_path, monkeypatch):
+    # Reference: train.py's micro-steps after a step's first run their forward and backward while the gradients of
+    # the ones before are held (4 bytes per parameter). A try of fit mode must run such a micro-step, or the
+    # largest batch it finds can run out of memory in train.py with gradient accumulation.
+    held, forward = [], GPT.forward
+
+    def spy(self, idx, *args, **kwargs):
+        if self.training and torch.is_grad_enabled():
+            held.append(any(p.grad is not None for p in self.parameters()))
+        return forward(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, 'forward', spy)
+    monkeypatch.setattr(bench, 'largest_batch', lambda fits, n: 2 if fits(2) else 0)  # one try per variant
+    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2048'])
+    assert bench.fit(env) == 0
+    assert any(held), held
+
+
+def test_mfu_names_the_peak_it_is_measured_against(tmp_path, monkeypatch):
+    # Reference: a made-up GPU peak of 1e12 FLOP/s for bf16 and 5e11 for TF32 (model.peak_flops: float32 is TF32's);
+    # MFU by hand: flops_per_token at block_size times tokens/s over the peak of the rung's matmuls. Rung 1 (float32
+    # without TF32) has no peak listed: n/a, not a figure against the TF32 peak (several times too low)
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': {'bfloat16': 1e12,
+                                                                                       'float32': 5e11}[dtype])
+    report = run_ladder(str(tmp_path), '--rungs=1,3', '--dtype=bfloat16', '--steps=1', '--repeats=1')
+    first, third = report['rungs'][0], report['rungs'][2]
+    flops = GPT(GPTConfig(**report['model'])).flops_per_token()
+    assert (first['mfu'], first['mfu_peak'], third['mfu_peak']) == (None, None, 'bf16')
+    assert third['mfu'] == pytest.approx(flops * third['tokens_per_sec'] / 1e12, rel=1e-9)
+    table = (tmp_path / 'bench.md').read_text()
+    assert f"| {third['mfu']:.1%} of bf16 |" in table and '| 1 | fp32 eager | fp32 | ' in table
+    assert 'vs baseline: over rung 1 (fp32 eager), the first that ran' in table
 
 
 def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
