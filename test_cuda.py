@@ -222,6 +222,21 @@ def test_rng_state_of_an_older_checkpoint_from_fewer_gpus_takes_the_first(monkey
     assert torch.equal(new.states[1], old.states[0])
 
 
+def test_rng_state_with_a_gpu_entry_restores_on_a_machine_without_cuda(monkeypatch):
+    # Reference: the CPU draws right after the save. A GPU run's state resumed where CUDA is not available (a
+    # CPU-only machine) restores Python's, numpy's and torch's generators and leaves CUDA alone.
+    state = dict(train.rng_state(), cuda=torch.full((16,), 7, dtype=torch.uint8))
+    want = (torch.rand(3).tolist(), np.random.rand(2).tolist())
+
+    def no_cuda(*a, **k):
+        raise AssertionError('CUDA touched on a machine without it')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    for name in ('current_device', 'set_rng_state', 'get_rng_state'):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    train.set_rng_state(state)
+    assert (torch.rand(3).tolist(), np.random.rand(2).tolist()) == want
+
+
 def test_run_written_with_8_gpus_resumes_with_1(monkeypatch, tmp_path):
     # Reference: the whole path, train.main: a run that saw 8 GPUs (its own being cuda:2) stops at 4; the
     # resumed run sees one GPU and must restore that GPU from the saved state of cuda:2, and finish.
@@ -497,6 +512,17 @@ class Raising:
         raise self.error
 
 
+def context_oom():
+    """An out-of-memory error that another was raised while handling (its __context__, no `from`)."""
+    try:
+        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.2 GiB free')
+    except torch.OutOfMemoryError:
+        try:
+            raise RuntimeError('compiling the backward failed')
+        except RuntimeError as outer:
+            return outer
+
+
 def wrapped_oom():
     """An out-of-memory error inside another, as torch.compile wraps errors of its backend."""
     try:
@@ -511,7 +537,7 @@ def wrapped_oom():
 @pytest.mark.parametrize('error', [
     lambda: torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB'),
     lambda: RuntimeError('CUDA out of memory. Tried to allocate 512.00 MiB (GPU 0; 79.1 GiB total)'),
-    wrapped_oom], ids=['OutOfMemoryError', 'RuntimeError', 'wrapped'])
+    wrapped_oom, context_oom], ids=['OutOfMemoryError', 'RuntimeError', 'wrapped', 'context'])
 def test_out_of_memory_in_compile_stops_with_advice(tmp_path, monkeypatch, capsys, error):
     # Reference: the advice the issue lists, in one line, and no fallback: no warning, no training.
     monkeypatch.setattr(torch, 'compile', lambda module, mode=None: Raising(error()))
@@ -528,6 +554,49 @@ def test_out_of_memory_in_compile_stops_with_advice(tmp_path, monkeypatch, capsy
         assert advice in message, advice
     assert 'UNCOMPILED' not in capsys.readouterr().err
     assert not os.path.exists(tmp_path / 'o' / 'metrics.jsonl')
+
+
+class FailsInEval:
+    """A compiled model that trains (the module itself, eagerly) but fails in eval mode: the compile warm-up
+    fails after its backward."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        if not self.module.training:
+            raise RuntimeError('inductor: lowering the eval graph failed')
+        return self.module(*args, **kwargs)
+
+    def eval(self):
+        self.module.eval()
+        return self
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+
+@pytest.mark.parametrize('fails', [False, True], ids=['compiled', 'fallback-after-backward'])
+def test_compile_warm_up_leaves_no_trace(monkeypatch, capsys, fails):
+    # Reference: the model, its gradients and the RNG as they were before compile_model (a model with dropout
+    # 0.2, whose training forward draws from the RNG). The warm-up's backward and its eval call must leave
+    # nothing behind, compiled or not: no gradient for the first step to add to, the model in training mode
+    # (dropout on), the same random draws next.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64, dropout=0.2))
+    monkeypatch.setattr(torch, 'compile', lambda module, mode=None: FailsInEval(module) if fails else module)
+    x, y = batches(1)[0].next()
+    r = SimpleNamespace(cfg=opt_cfg(compile=True), iter_num=0, world=1, model=model, wrapped=model, device='cpu',
+                        device_type='cpu', optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
+                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext())
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    compiled, note = train.compile_model(r)
+    assert note.startswith('FAILED') if fails else note.startswith('on')
+    assert ('UNCOMPILED' in capsys.readouterr().err) is fails
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training and all(p.grad is None for p in model.parameters())
 
 
 def test_other_compile_failures_still_fall_back_loudly(monkeypatch, capsys):

@@ -362,6 +362,21 @@ def test_resume_across_process_counts(resumed, single6):
     assert len(got['rng']) == r.world_after, r.name
 
 
+def test_resume_with_dropout_gives_each_process_its_own_rng_state(root, data):
+    # Reference: the same 2-process DDP run with dropout 0.2, uninterrupted. Each process draws its own dropout
+    # masks (seeded seed + rank); stopped at 2 and resumed, each must take back its own saved RNG state, or the
+    # masks of process 1 after the resume are process 0's and the losses differ.
+    drop = ['--dropout=0.2', '--eval_interval=2', '--lr_decay_iters=4']
+    straight = run(2, root / 'drop_straight', data, *drop, '--max_iters=4').check()
+    first = run(2, root / 'drop_resumed', data, *drop, '--max_iters=2').check()
+    rng = first.ckpt()['rng']
+    assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])
+    second = run(2, root / 'drop_resumed', data, *drop, '--max_iters=4', '--init_from=resume').check()
+    assert 'at iteration 2' in second.output, second.describe()
+    assert_metrics_close(second.metrics(), straight.metrics(), where='dropout resume')
+    assert_same_state(second.ckpt(), straight.ckpt(), 'dropout resume')
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3: gradient_accumulation_steps must split evenly among the processes
 
@@ -562,6 +577,41 @@ def test_sigterm_stops_both_processes_at_one_step_and_resumes(root, data):
     reference = run(1, root / 'sigterm_ref', data, *long_run, f'--max_iters={end}').check()
     assert_metrics_close(resumed.metrics(), reference.metrics(), where='sigterm resume')
     assert_same_state(resumed.ckpt(), reference.ckpt(), 'sigterm resume')
+
+
+def test_sigterm_to_one_worker_stops_both_processes_at_one_step(root, data):
+    # Reference: the rule in train_loop: a signal that reaches any one process (a scheduler or a user that signals
+    # one worker's pid) stops them all after the same step, with one checkpoint of that step; the other process
+    # must not go on training alone until max_iters.
+    out = root / 'sigterm_one'
+    long_run = ['--eval_interval=1000', '--lr_decay_iters=1000']
+    launch = Launch(2, out, data, *long_run, '--max_iters=1000')
+    metrics = os.path.join(str(out), 'metrics.jsonl')
+    deadline = time.time() + 90
+    try:
+        workers = []
+        while time.time() < deadline and launch.proc.poll() is None:  # wait for a training line
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    if any('"loss"' in line for line in f):
+                        break
+            time.sleep(0.1)
+        for pid in descendants(launch.proc.pid):
+            with open(f'/proc/{pid}/cmdline') as f:
+                cmd = f.read().split(chr(0))
+            if 'train.py' in cmd and 'torch.distributed.run' not in cmd:
+                workers.append(pid)
+        assert launch.proc.poll() is None and len(workers) == 2, launch.wait(1).describe()
+        os.kill(workers[-1], signal.SIGTERM)  # one worker only
+        launch.wait(90)
+    finally:
+        if launch.rc is None:
+            launch.wait(0)
+    assert not launch.timed_out and launch.rc != 0, launch.describe()
+    saved = re.findall(r'^SIGTERM: saved .*ckpt\.pt at iteration (\d+)\. Resume with:', launch.output, re.M)
+    assert len(saved) == 1 and 1 <= int(saved[0]) < 1000, launch.describe()
+    assert launch.ckpt()['iter_num'] == int(saved[0])
+    assert [r['iter'] for r in launch.metrics() if kind(r) == 'train'][-1] == int(saved[0])
 
 
 def test_one_process_under_torchrun_is_the_plain_run(root, data, single6):

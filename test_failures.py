@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -269,6 +270,34 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where)
     assert sorted(os.listdir(tmp_path)) == ['ckpt.pt']  # no ckpt.pt.tmp left behind
 
 
+def test_save_fsyncs_the_whole_file_then_renames_then_fsyncs_the_directory(tmp_path, monkeypatch):
+    # Reference: what a durable atomic write needs, in order: every byte of the temporary file on disk (fsync
+    # when its size is the final file's), then the rename, then an fsync of the directory that makes the rename
+    # itself durable; no descriptor left open.
+    if not os.path.isdir('/proc/self/fd'):
+        pytest.skip('needs /proc to tell which file a descriptor is')
+    path = str(tmp_path / 'ckpt.pt')
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(('fsync', os.readlink(f'/proc/self/fd/{fd}'), os.fstat(fd).st_size))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(('replace', os.fspath(a), os.fspath(b)))
+        return real_replace(a, b)
+    open_fds = len(os.listdir('/proc/self/fd'))
+    monkeypatch.setattr(os, 'fsync', fsync)
+    monkeypatch.setattr(os, 'replace', replace)
+    train.save_checkpoint(path, {'model': {'w': torch.arange(5000.0)}, 'iter_num': 3})
+    monkeypatch.undo()
+    size = os.path.getsize(path)
+    assert events[:2] == [('fsync', path + '.tmp', size), ('replace', path + '.tmp', path)], events
+    assert len(events) == 3 and events[2][:2] == ('fsync', str(tmp_path)), events
+    assert len(os.listdir('/proc/self/fd')) == open_fds
+    assert load(path)['iter_num'] == 3
+
+
 def test_first_save_failing_leaves_nothing(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
     monkeypatch.setattr(torch, 'save', disk_full())
@@ -389,7 +418,7 @@ def test_last_iteration_is_saved(data, tmp_path, save_log):
 # 4. non-finite losses and gradients
 
 @pytest.mark.parametrize('accum', [1, 2])
-def test_isolated_nan_steps_are_skipped_and_the_run_finishes(data, tmp_path, monkeypatch, accum):
+def test_isolated_nan_steps_are_skipped_and_the_run_finishes(data, tmp_path, monkeypatch, capsys, accum):
     # NaN loss in micro-step 1 of step 3 and micro-step 0 of steps 6 and 7 (two in a row, under the
     # limit of 3). Reference: the weights and optimizer state right before each skipped step.
     bad_steps = {3, 6, 7}
@@ -412,6 +441,10 @@ def test_isolated_nan_steps_are_skipped_and_the_run_finishes(data, tmp_path, mon
     assert_same({n: ckpt['model'][n] for n in steps[-1]['after']}, steps[-1]['after'])  # (tied lm_head left out)
     logged = [r['iter'] for r in read_metrics(out) if 'loss' in r]
     assert logged == [i for i in range(1, 10) if i not in bad_steps]
+    # the log lines count the skipped steps so far: 1 after step 3, 3 after steps 6 and 7
+    said = {int(m[0]): int(m[1]) for m in re.findall(r'^iter (\d+): loss .*, (\d+) steps skipped$',
+                                                      capsys.readouterr().out, re.M)}
+    assert said == {4: 1, 5: 1, 8: 3, 9: 3}, said
     assert all(math.isfinite(r[k]) for r in read_metrics(out) for k in ('loss', 'val_loss') if k in r)
 
 
@@ -430,6 +463,24 @@ def test_infinite_gradient_with_finite_loss_is_skipped(data, tmp_path, monkeypat
     assert all_finite(load(out / 'ckpt.pt')['model'])
 
 
+def test_weights_with_a_nan_or_inf_are_not_saved(tmp_path):
+    # Reference: a model with one non-finite element in one tensor (every other element of it and every other
+    # tensor finite) must not be written: an error naming the iteration and the file, and no file.
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=V, n_layer=1, n_head=2, n_embd=16))
+    assert train.weights_finite(model)
+    path = str(tmp_path / 'ckpt.pt')
+    for bad in (float('nan'), float('inf')):
+        with torch.no_grad():
+            model.blocks[0].mlp.down.weight[3, 5] = bad
+        assert not train.weights_finite(model)
+        want = f'iteration 7: the weights hold NaN/inf; not saving {path}'
+        with pytest.raises(train.TrainError, match=re.escape(want)):
+            train.save(SimpleNamespace(model=model, device='cpu', iter_num=7, world=1, master=True), path)
+        assert os.listdir(tmp_path) == []
+
+
 def test_consecutive_nan_steps_stop_with_the_last_good_checkpoint(data, tmp_path, monkeypatch, save_log):
     # Every training step from step 6 on is NaN; max_nonfinite_steps=3 stops the run at iteration 8.
     # Reference: ckpt.pt's bytes right after its last save (the evaluation at iteration 4).
@@ -446,6 +497,20 @@ def test_consecutive_nan_steps_stop_with_the_last_good_checkpoint(data, tmp_path
     ckpt = load(out / 'ckpt.pt')
     assert ckpt['iter_num'] == 4 and all_finite(ckpt['model']) and all_finite(load(out / 'best.pt')['model'])
     assert not glob.glob(str(out / '*.tmp'))
+
+
+def test_nan_steps_right_after_a_resume_name_the_checkpoint_resumed_from(data, tmp_path, monkeypatch):
+    # Reference: the iteration of the checkpoint the run resumed from (4): it is the last good one when every
+    # step after the resume is NaN and the run stops before saving again.
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=4', '--max_iters=4')) == 0
+    poison_forward(monkeypatch, lambda i: True)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=4', '--max_iters=20', '--max_nonfinite_steps=2',
+                        '--init_from=resume'))
+    assert 'iteration 6: 2 consecutive' in str(e.value) and f"{out / 'ckpt.pt'} (iteration 4)" in str(e.value), \
+        str(e.value)
+    assert load(out / 'ckpt.pt')['iter_num'] == 4
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -497,6 +562,16 @@ def test_malicious_checkpoint_is_refused(data, tmp_path, how):
             pickle.dump({'iter_num': 2, 'x': payload}, f)
     assert_resume_refused(data, out, path)
     assert not marker.exists()
+    if how.startswith('pickle'):  # no zip archive: 'not a checkpoint' (torch's unpickler stops before the global)
+        return
+    # a real checkpoint's archive: the error says why, naming the function it asks to import (open, or os.system:
+    # posix.system on Linux), not 'corrupt or truncated'
+    with pytest.raises(train.TrainError) as e:
+        train.load_checkpoint(str(path))
+    name = 'open' if how.endswith('open') else 'system'
+    msg = str(e.value)
+    assert msg.startswith(f'refusing to load {path}'), msg
+    assert re.search(rf'asks to import \w+\.{name}, which could run code', msg), msg
 
 
 @pytest.mark.parametrize('how', ['truncated', 'garbage', 'empty'])
@@ -538,10 +613,18 @@ def test_checkpoint_without_the_training_state_is_an_error_naming_the_file(data,
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     path = out / 'ckpt.pt'
-    torch.save(load(path)['model'], path)
+    ckpt = load(path)
+    torch.save(ckpt['model'], path)
     with pytest.raises(train.TrainError) as e:
         train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
     assert str(path) in str(e.value)
+    # Reference: the entries a resume reads; a checkpoint lacking any one of them is refused naming it
+    for key in ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 'config', 'model_args', 'meta',
+                'batches', 'rng', 'evaluated'):
+        torch.save({k: v for k, v in ckpt.items() if k != key}, path)
+        with pytest.raises(train.TrainError, match=re.escape(f'{path} is not a training checkpoint of this script: '
+                                                             f'it lacks {key}')):
+            train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
 
 
 def test_missing_checkpoint_on_resume_is_an_error(data, tmp_path):
@@ -585,6 +668,42 @@ def test_resume_with_another_model_shape_lists_each_difference(data, tmp_path):
     assert read_bytes(out / 'ckpt.pt') == ckpt_bytes and read_bytes(out / 'metrics.jsonl') == metrics_bytes
 
 
+@pytest.fixture(scope='module')
+def run2(tmp_path_factory):
+    """A run of 2 iterations (evaluated and saved at 0 and 2) on its own data: copy its out_dir to resume it."""
+    root = tmp_path_factory.mktemp('run2')
+    data_dir = write_data(root / 'data')
+    assert train.main(args(data_dir, root / 'out', '--eval_interval=2', '--max_iters=2')) == 0
+    return data_dir, root / 'out'
+
+
+@pytest.mark.parametrize('flag, change', [('--mlp=geglu', "mlp: 'swiglu' -> 'geglu'"),
+                                          ('--rope_base=500.0', 'rope_base: 10000.0 -> 500.0'),
+                                          ('--logit_softcap=30.0', 'logit_softcap: 0.0 -> 30.0')])
+def test_resume_with_another_model_of_the_same_tensor_shapes_is_refused(run2, tmp_path, flag, change):
+    # Reference: the setting as changed. These keys leave every tensor's shape as it was, so the weights would
+    # load without a word into another model (a GeGLU MLP, other RoPE frequencies, a cap on the logits)
+    data_dir, run = run2
+    out = shutil.copytree(run, tmp_path / 'out')
+    before = read_bytes(out / 'ckpt.pt')
+    with pytest.raises(train.TrainError, match=re.escape(change)) as e:
+        train.main(args(data_dir, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', flag))
+    assert 'has another shape than this config' in str(e.value) and read_bytes(out / 'ckpt.pt') == before
+
+
+def test_resume_with_another_dropout_or_zero_init_proj_goes_on(run2, tmp_path, capsys):
+    # Reference: train.py's rule for what a resumed run may change: dropout (regularisation, no weight) and
+    # zero_init_proj (it only chose the initial weights); the resume says so and ends at iteration 4.
+    data_dir, run = run2
+    out = shutil.copytree(run, tmp_path / 'out')
+    capsys.readouterr()
+    assert train.main(args(data_dir, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume',
+                           '--dropout=0.1', '--zero_init_proj=True')) == 0
+    stdout = capsys.readouterr().out
+    assert 'dropout: 0.0 -> 0.1' in stdout and 'zero_init_proj: False -> True' in stdout, stdout
+    assert load(out / 'ckpt.pt')['iter_num'] == 4
+
+
 def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_path, capsys):
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4')) == 0
@@ -602,27 +721,34 @@ def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_p
 
 def test_resume_counts_the_tokens_each_iteration_took(data, tmp_path):
     # Reference: tokens by hand: 2 iterations of 4 x 8, then 2 of 8 x 8 x 2 micro-batches after a resume that
-    # changed the batch; before the count, metrics.jsonl multiplied the iteration by the batch of now (320)
+    # changed the batch, then 2 of 4 x 8 again; before the count, metrics.jsonl multiplied the iteration by the
+    # batch of now (320), and a count taken from the iteration and the checkpoint's batch would start the third
+    # part at 4 x 128 = 512
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', '--batch_size=8',
                            '--gradient_accumulation_steps=2')) == 0
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=6', '--init_from=resume')) == 0
     tokens = {r['iter']: r['tokens'] for r in read_metrics(out)}
-    assert tokens == {0: 0, 1: 32, 2: 64, 3: 64 + 128, 4: 64 + 256}
-    assert load(out / 'ckpt.pt')['tokens'] == 64 + 256
+    assert tokens == {0: 0, 1: 32, 2: 64, 3: 64 + 128, 4: 64 + 256, 5: 320 + 32, 6: 320 + 64}
+    assert load(out / 'ckpt.pt')['tokens'] == 320 + 64
 
 
-def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_path, monkeypatch, capsys, save_log):
-    # Reference: best.pt's saves. Evaluated on other val data (data_dir changed), a loss above the old best
-    # (4.5 > 4.0) is the best so far on that data: best.pt is written, and the reset said; resumed on the same
-    # data, it is not (test_best_keeps_the_best_weights_and_ckpt_the_latest)
-    out, other = tmp_path / 'out', write_data(tmp_path / 'other', seed=1)
+@pytest.mark.parametrize('change', ['data_dir', '--seed=2', '--eval_iters=3', '--batch_size=2'])
+def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_path, monkeypatch, capsys, save_log,
+                                                                     change):
+    # Reference: best.pt's saves. Evaluated on other val data (data_dir changed), or on other val batches (the
+    # seed, the number or the size of the eval batches changed), a loss above the old best (4.5 > 4.0) is the
+    # best so far on what is measured now: best.pt is written, and the reset said; resumed on the same data and
+    # batches, it is not (test_best_keeps_the_best_weights_and_ckpt_the_latest)
+    out = tmp_path / 'out'
+    other, extra = (write_data(tmp_path / 'other', seed=1), []) if change == 'data_dir' else (data, [change])
     scripted_eval(monkeypatch, [5.0, 4.0])
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     save_log.clear()
     scripted_eval(monkeypatch, [4.5])
     capsys.readouterr()
-    assert train.main(args(other, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume')) == 0
+    assert train.main(args(other, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', *extra)) == 0
     assert 'best val loss reset: data_dir, eval_iters, batch_size, block_size, seed' in capsys.readouterr().out
     assert [(name, it) for name, it, _ in save_log] == [('best.pt', 4), ('ckpt.pt', 4)]
     assert load(out / 'best.pt')['best_val_loss'] == 4.5
@@ -638,6 +764,20 @@ def test_resume_with_another_optimizer_is_an_error_naming_it(data, tmp_path, fla
     with pytest.raises(train.TrainError, match=re.escape(change)) as e:
         train.main(args(data, out, '--max_iters=4', '--init_from=resume', flag))
     assert 'holds the state of another optimizer' in str(e.value) and read_bytes(out / 'ckpt.pt') == before
+
+
+def test_resume_that_turns_optimizer_offload_on_is_refused(run2, tmp_path, capsys):
+    # Reference: the setting as changed. torchao's offload optimizer has a state dict of its own: a plain
+    # AdamW checkpoint does not load into it. optimizer_offload needs CUDA, so the check is called directly, with
+    # the resumed run's pieces as setup() built them on the CPU and optimizer_offload=True in the config.
+    data_dir, run = run2
+    out = shutil.copytree(run, tmp_path / 'out')
+    cfg = SimpleNamespace(**train.configure(train.DEFAULTS, args(data_dir, out, '--init_from=resume'), train.__file__))
+    r = train.setup(cfg, [], 'cpu', 0, 1)
+    r.cfg = SimpleNamespace(**{**vars(cfg), 'optimizer_offload': True})
+    with pytest.raises(train.TrainError, match=re.escape('optimizer_offload: False -> True')) as e:
+        train.start_or_resume(r)
+    assert 'holds the state of another optimizer' in str(e.value)
 
 
 def test_a_cpu_device_with_an_index_trains(data, tmp_path):
@@ -779,6 +919,23 @@ def scripted_eval(monkeypatch, val_losses):
     return snapshots
 
 
+def test_the_checkpoint_before_the_first_step_changes_nothing(data, tmp_path):
+    # Reference: the same run without the evaluation and checkpoint at iteration 0 (eval_at_start=False). Saved
+    # before any step, the optimizer has no state yet: the checkpoint holds None rather than the state of a
+    # zero-gradient step taken to make one (which AdamW's bias correction would count), and training goes on
+    # with the same losses and ends with the same weights and optimizer state.
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    assert train.main(args(data, a, '--eval_interval=3', '--max_iters=3')) == 0
+    assert train.main(args(data, b, '--eval_interval=3', '--max_iters=3', '--eval_at_start=False')) == 0
+    assert [r['iter'] for r in read_metrics(a) if 'val_loss' in r] == [0, 3]
+    assert [r['iter'] for r in read_metrics(b) if 'val_loss' in r] == [3]
+    train_lines = lambda out: [r for r in deterministic(read_metrics(out)) if 'loss' in r]  # noqa: E731
+    assert train_lines(a) == train_lines(b)
+    ca, cb = load(a / 'ckpt.pt'), load(b / 'ckpt.pt')
+    assert_same(ca['model'], cb['model'], 'model')
+    assert_same(ca['optimizer'], cb['optimizer'], 'optimizer')
+
+
 def test_best_keeps_the_best_weights_and_ckpt_the_latest(data, tmp_path, monkeypatch, save_log):
     # Evaluations at 0, 2, 4, 6, 8, 10 with val losses that go down to 3.0 at iteration 4, then up.
     # Reference: the model's weights as each scripted evaluation saw them, and best.pt's bytes at its save.
@@ -811,7 +968,7 @@ def test_best_keeps_the_best_weights_and_ckpt_the_latest(data, tmp_path, monkeyp
 # 9. an earlier run in out_dir
 
 def run_files(out):
-    return {name: read_bytes(out / name) for name in ('ckpt.pt', 'best.pt', 'metrics.jsonl')}
+    return {name: read_bytes(out / name) for name in ('ckpt.pt', 'best.pt', 'metrics.jsonl', 'metrics.png')}
 
 
 def test_scratch_run_moves_an_earlier_run_aside(data, tmp_path):
@@ -998,6 +1155,16 @@ def test_vocabulary_mismatch_names_both(ckpt, data, needles):
         assert msg is None
     else:
         assert msg and all(s in msg for s in needles) and '\n' not in msg, msg
+
+
+def test_vocabulary_mismatch_lists_up_to_40_characters_in_full():
+    # Reference: the rule in the message: up to 40 differing characters listed whole, more cut at 40 with '...'.
+    # 40 other characters: all 40 shown, without '...'; 41: the first 40, then '...'.
+    other = ''.join(chr(0x200 + i) for i in range(41))
+    for n in (40, 41):
+        msg = train.vocabulary_mismatch(dict(META['char'], vocab_size=n, chars=CHARS[:n] if n == 40 else CHARS + 'z'),
+                                        dict(META['char'], vocab_size=n, chars=other[:n]))
+        assert f"only in the data's: {other[:40]!r}" + ('...' if n == 41 else ';') in msg + ';', msg
 
 
 def test_sample_decodes_with_the_checkpoints_vocabulary(data, tmp_path, capsys):
@@ -1223,6 +1390,7 @@ def test_failed_metrics_writes_warn_and_the_run_goes_on(data, tmp_path, monkeypa
     else:
         assert deterministic(read_metrics(out)) == [r for i, r in enumerate(want) if i not in failing]
         assert f"{out / 'metrics.jsonl'} is written again; 2 line(s) were lost" in stdout
+        assert stdout.count('is written again') == 1, stdout  # once, at the first line that is written again
 
 
 def test_failed_metrics_rewrite_on_resume_loses_nothing(data, tmp_path, monkeypatch):
@@ -1254,6 +1422,34 @@ def test_resume_drops_a_metrics_line_cut_short(data, tmp_path, capsys):
     assert train.main(args(data, out, *flags, '--max_iters=6', '--init_from=resume')) == 0
     assert 'dropped 1 unreadable line' in capsys.readouterr().out
     assert deterministic(read_metrics(out)) == deterministic(read_metrics(straight))
+
+
+@pytest.mark.parametrize('how', ['no-newline', 'not-an-object', 'no-iter', 'deleted'])
+def test_resume_keeps_metrics_whatever_the_end_of_the_file(data, tmp_path, capsys, how):
+    # Reference: the uninterrupted run's lines. The last line may lack its newline (a crash between the record
+    # and its newline): kept, and the next line starts on a line of its own. A line that is JSON but no record
+    # (a number, an object without 'iter') is dropped as unreadable. A deleted metrics.jsonl is no reason to stop:
+    # the resumed run writes its own lines.
+    flags = ['--eval_interval=2', '--lr_decay_iters=6']
+    straight, out = tmp_path / 'straight', tmp_path / 'out'
+    assert train.main(args(data, straight, *flags, '--max_iters=6')) == 0
+    assert train.main(args(data, out, *flags, '--max_iters=4')) == 0
+    path = out / 'metrics.jsonl'
+    if how == 'no-newline':
+        path.write_bytes(read_bytes(path).rstrip(b'\n'))
+    elif how == 'deleted':
+        path.unlink()
+    else:
+        with open(path, 'a') as f:
+            f.write('12\n' if how == 'not-an-object' else '{"loss": 3.1}\n')
+    capsys.readouterr()
+    assert train.main(args(data, out, *flags, '--max_iters=6', '--init_from=resume')) == 0
+    want = deterministic(read_metrics(straight))
+    if how == 'deleted':
+        assert deterministic(read_metrics(out)) == [r for r in want if r['iter'] > 4]
+        return
+    assert ('dropped 1 unreadable line' in capsys.readouterr().out) == (how != 'no-newline')
+    assert deterministic(read_metrics(out)) == want
 
 
 def test_failed_move_of_an_earlier_run_is_an_error_and_keeps_it(data, tmp_path, monkeypatch):
@@ -1303,7 +1499,7 @@ BAD_VALUES = {  # key: values that make no sense for it (eval_iters=0 means the 
     'muon_ns_steps': [0, -1], 'logit_softcap': [-1.0, NAN, INF],
     'short_block_size': [-4, 3, 8, 16], 'short_block_iters': [-1],  # block_size 8: 8 / 2**k only
     'wsd_decay_frac': [0.0, 1.5, -0.1, NAN], 'lr_schedule': ['linear'], 'mlp': ['relu'],
-    'init_from': ['resum'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
+    'init_from': ['resum', 'hf:'], 'optimizer': ['adam'], 'activation_checkpointing': ['some'], 'dtype': ['fp16'],
     'compile_mode': ['fast'], 'fp8_recipe': ['blockwise'], 'parallelism': ['tp'], 'muon_dtype': ['fp32', 'float16'],
     'device': ['gpu', 'meta', 'cuda', 'cuda:7', 'mps'],
 }

@@ -792,6 +792,74 @@ def test_rng_state_round_trip_numpy():
     assert first == again
 
 
+def test_rng_state_round_trip_numpy_normals():
+    # Reference: as above, for numpy's normal draws. An odd number drawn before the save leaves the second
+    # value of a Box-Muller pair cached in the state (has_gauss, gauss): the first normal after the restore is
+    # that value, not a new pair's.
+    def draw():
+        return np.random.randn(3).tolist()
+    np.random.seed(1), np.random.randn(1)
+    assert np.random.get_state()[3] == 1  # a value is cached
+    state = train.rng_state()
+    first = draw()
+    np.random.seed(2), np.random.randn(2)  # another stream, nothing cached
+    train.set_rng_state(state)
+    assert draw() == first
+
+
+def test_stop_on_signals_takes_the_signals_inside_only():
+    # Reference: the handlers installed before. Inside, SIGTERM and SIGINT are recorded rather than acted on;
+    # after, on a normal exit and on an exception, each signal has its earlier handler again (a notebook or a
+    # test that calls train.main keeps its Ctrl-C).
+    import signal
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+    before = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with train.stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop == {'signal': signal.SIGTERM} and seen == []
+        assert all(signal.getsignal(s) is mine for s in before)
+        with pytest.raises(ValueError), train.stop_on_signals():
+            raise ValueError
+        assert all(signal.getsignal(s) is mine for s in before)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert seen == [signal.SIGINT]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def test_check_device_counts_the_gpus_from_0(monkeypatch):
+    # Reference: CUDA's ordinals, 0 to count - 1 (faked: 2 GPUs). cuda:2 is the third GPU, which this machine
+    # lacks; 'auto' (the default) is always accepted, whatever the machine has.
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    for name in ('auto', 'cpu', 'cuda', 'cuda:0', 'cuda:1'):
+        train.check_device(name)
+    with pytest.raises(ConfigError, match=re.escape("device='cuda:2', but this machine has 2 CUDA devices")):
+        train.check_device('cuda:2')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+    train.check_device('auto')
+    train.check_config(SimpleNamespace(**train.DEFAULTS))  # the defaults pass on any machine
+
+
+def test_complete_model_args_derives_what_an_older_checkpoint_lacks():
+    # Reference: GPTConfig's documented derivations by hand: head_dim = n_embd // n_head (48 // 4), n_kv_head 0
+    # = n_head, the defaults for the fields an older checkpoint lacks. A field this model.py does not know
+    # leaves the args as they are (compared as stored), not a TypeError.
+    old = dict(block_size=16, vocab_size=64, n_layer=1, n_head=4, n_kv_head=0, n_embd=48, dropout=0.0)
+    full = train.complete_model_args(old)
+    assert full['head_dim'] == 12 and full['n_kv_head'] == 4 and full['rope_scaling_factor'] == \
+        GPTConfig().rope_scaling_factor
+    assert set(full) == set(train.MODEL_KEYS)
+    newer = {**old, 'sliding_window': 128}
+    assert train.complete_model_args(newer) == newer
+
+
 # ----------------------------------------------------------------------------------------------------
 # configurator
 
