@@ -691,6 +691,20 @@ def test_resume_with_another_model_of_the_same_tensor_shapes_is_refused(run2, tm
     assert 'has another shape than this config' in str(e.value) and read_bytes(out / 'ckpt.pt') == before
 
 
+def test_resume_of_a_model_with_a_setting_this_model_py_lacks_is_refused(run2, tmp_path):
+    # Reference: the field written here, as a newer model.py would save a feature this one lacks: resumed without
+    # it, the model would silently be another one (it resumed, and trained on)
+    data_dir, run = run2
+    out = shutil.copytree(run, tmp_path / 'out')
+    ckpt = load(out / 'ckpt.pt')
+    ckpt['model_args']['sliding_window'] = 128
+    torch.save(ckpt, out / 'ckpt.pt')
+    before = read_bytes(out / 'ckpt.pt')
+    with pytest.raises(train.TrainError, match="has settings this model.py does not know: sliding_window=128"):
+        train.main(args(data_dir, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    assert read_bytes(out / 'ckpt.pt') == before
+
+
 def test_resume_with_another_dropout_or_zero_init_proj_goes_on(run2, tmp_path, capsys):
     # Reference: train.py's rule for what a resumed run may change: dropout (regularisation, no weight) and
     # zero_init_proj (it only chose the initial weights); the resume says so and ends at iteration 4.

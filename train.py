@@ -1111,6 +1111,10 @@ def start_or_resume(r):
     if mismatch:  # same-sized vocabularies pass the shape check, and every id would mean another token
         raise TrainError(f"{r.ckpt_path} was trained on another vocabulary than {cfg.data_dir}: {mismatch}. Resume "
                          f"or finetune only on data prepared with the checkpoint's tokenizer and vocabulary")
+    unknown = [f"{k}={v!r}" for k, v in ckpt['model_args'].items() if k not in MODEL_KEYS]
+    if unknown:  # a newer model.py's feature: resumed without it, the model would silently be another one
+        raise TrainError(f"the model in {r.ckpt_path} has settings this model.py does not know: {', '.join(unknown)}; "
+                         f"resume with the model.py that wrote it")
     shape_diff = config_diff(complete_model_args(ckpt['model_args']), r.model_config.to_dict(), SHAPE_KEYS)
     if shape_diff:
         raise TrainError(f"the model in {r.ckpt_path} has another shape than this config:\n"
@@ -1150,7 +1154,7 @@ def complete_model_args(model_args):
     older checkpoint lacks takes its default, which rebuilds the model it saved."""
     try:
         return GPTConfig(**model_args).to_dict()
-    except (TypeError, ValueError):  # a field this model.py does not know: compared as it is, and named
+    except (TypeError, ValueError):  # values GPTConfig refuses: compared as they are, and named by the shape check
         return model_args
 
 
