@@ -537,19 +537,23 @@ def test_batches_state_dict_reproduces_the_next_batches(rank, world):
 # ----------------------------------------------------------------------------------------------------
 # 7: SIGTERM to the launcher
 
+def wait_for_a_training_line(launch, seconds=90):
+    """Until the run's metrics.jsonl has a training line, the run ends, or `seconds` pass."""
+    metrics, deadline = os.path.join(launch.out_dir, 'metrics.jsonl'), time.time() + seconds
+    while time.time() < deadline and launch.proc.poll() is None:
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if any('"loss"' in line for line in f):
+                    return
+        time.sleep(0.1)
+
+
 def test_sigterm_stops_both_processes_at_one_step_and_resumes(root, data):
     out = root / 'sigterm'
     long_run = ['--eval_interval=1000', '--lr_decay_iters=1000']  # eval at 0 only; a fixed schedule
     launch = Launch(2, out, data, *long_run, '--max_iters=1000')
-    metrics = os.path.join(str(out), 'metrics.jsonl')
-    deadline = time.time() + 90
     try:
-        while time.time() < deadline and launch.proc.poll() is None:  # wait for a training line
-            if os.path.exists(metrics):
-                with open(metrics) as f:
-                    if any('"loss"' in line for line in f):
-                        break
-            time.sleep(0.1)
+        wait_for_a_training_line(launch)
         assert launch.proc.poll() is None, "the run ended before the signal:\n" + launch.wait(1).describe()
         launch.proc.send_signal(signal.SIGTERM)  # to the launcher only; it forwards it to the workers
         launch.wait(90)
@@ -586,16 +590,9 @@ def test_sigterm_to_one_worker_stops_both_processes_at_one_step(root, data):
     out = root / 'sigterm_one'
     long_run = ['--eval_interval=1000', '--lr_decay_iters=1000']
     launch = Launch(2, out, data, *long_run, '--max_iters=1000')
-    metrics = os.path.join(str(out), 'metrics.jsonl')
-    deadline = time.time() + 90
     try:
         workers = []
-        while time.time() < deadline and launch.proc.poll() is None:  # wait for a training line
-            if os.path.exists(metrics):
-                with open(metrics) as f:
-                    if any('"loss"' in line for line in f):
-                        break
-            time.sleep(0.1)
+        wait_for_a_training_line(launch)
         for pid in descendants(launch.proc.pid):
             with open(f'/proc/{pid}/cmdline') as f:
                 cmd = f.read().split(chr(0))
