@@ -117,9 +117,12 @@ def configure(defaults, argv, source=None):
     for arg in argv:
         if arg in ('--help', '-h'):
             notes = key_comments(source) if source else {}
-            print("arguments: config files (`key = value` lines), then --key=value flags. The keys, with their "
-                  "defaults:\n" + '\n'.join(f"  {k} = {v!r}" + (f"  # {notes[k]}" if notes.get(k) else '')
-                                             for k, v in defaults.items()))
+            try:
+                print("arguments: config files (`key = value` lines), then --key=value flags. The keys, with their "
+                      "defaults:\n" + '\n'.join(f"  {k} = {v!r}" + (f"  # {notes[k]}" if notes.get(k) else '')
+                                                 for k, v in defaults.items()), flush=True)
+            except BrokenPipeError:  # `--help | head`: the reader has what it wanted (the recipe of Python's docs)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
         if arg.startswith('--'):
             key, sep, text = arg[2:].partition('=')

@@ -907,6 +907,17 @@ def test_help_lists_every_key_with_its_default(flag, capsys):
     assert lines == [f"  {k} = {v!r}" for k, v in train.DEFAULTS.items()]
 
 
+def test_help_into_a_pipe_closed_early_ends_quietly():
+    # Reference: a reader such as `head` that leaves before the list is written (the read end closed at once):
+    # exit 0 and nothing on stderr, where Python's default is a BrokenPipeError traceback
+    code = "import configurator; configurator.configure({'a': 1}, ['--help'])"
+    proc = subprocess.Popen([sys.executable, '-c', code], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=SUBPROCESS_ENV)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and err == b'', err
+
+
 def test_help_shows_the_comment_beside_each_default(tmp_path, capsys):
     # Reference: the comments written in the source below, by hand: a key's first line only, continued by the
     # comment-only lines under it at its column (not by one at another column, nor across a line of code)
