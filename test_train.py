@@ -461,6 +461,7 @@ def test_loss_matches_hand_computed_cross_entropy(label_smoothing):
     (dict(mlp_hidden=-64), 'mlp_hidden'),
     (dict(rope_scaling_factor=0.5), 'rope_scaling_factor'),  # slows nothing down: less than 1
     (dict(rope_scaling_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), 'rope_scaling_factor'),
+    (dict(rope_scaling_factor=8.0, rope_low_freq_factor=2.0, rope_high_freq_factor=2.0), 'rope_scaling_factor'),  # 0/0
     (dict(mlp='relu'), 'mlp'),
     (dict(n_layer=0), 'n_layer'),
     (dict(dropout=1.0), 'dropout'),
@@ -472,12 +473,12 @@ def test_config_errors_name_the_field(overrides, field):
     assert f'{field}=' in str(e.value)
 
 
-@pytest.mark.parametrize('mlp', ['gelu', 'swiglu', 'geglu'])
+@pytest.mark.parametrize('mlp', ['gelu', 'relu2', 'swiglu', 'geglu'])
 @pytest.mark.parametrize('n_embd', [32, 40, 48, 56, 72, 200])
 def test_mlp_hidden_is_a_multiple_of_64(mlp, n_embd):
-    # Reference: 4 * n_embd (gelu) or 8/3 * n_embd (gated), rounded up to the next multiple of 64.
+    # Reference: 4 * n_embd (gelu, relu2: two matrices) or 8/3 * n_embd (gated), rounded up to the next multiple of 64.
     config = tiny_config(n_embd=n_embd, mlp=mlp)
-    target = 4 * n_embd if mlp == 'gelu' else 8 * n_embd / 3
+    target = 4 * n_embd if mlp in ('gelu', 'relu2') else 8 * n_embd / 3
     assert config.mlp_hidden % 64 == 0
     assert target <= config.mlp_hidden < target + 64
     assert config.head_dim == n_embd // 4
@@ -1891,3 +1892,99 @@ def test_rmsnorm_off_the_cpu_path_matches_the_cpu_path_on_bf16_input():
     torch.testing.assert_close(gx_fused.float(), gx_cpu.float(), rtol=2.0 ** -7, atol=1e-3)
     torch.testing.assert_close(gw_fused, gw_cpu, rtol=1e-4, atol=1e-4)
     assert torch.equal(norm(x), y_cpu)  # forward takes the CPU's path on the CPU
+
+
+def test_dropout_is_off_in_eval_mode_and_drops_attention_weights_in_train_mode():
+    # Reference: nn.Dropout / SDPA's dropout_p semantics: in eval mode dropout is the identity, so a model with
+    # dropout=0.5 gives exactly the logits of the same weights with dropout=0; in train mode the attention's own
+    # dropout (on the attention weights, before proj) changes what proj reads against the dropout-free attention.
+    x, _ = random_batch(0, 2, 16, 32)
+    with torch.no_grad():
+        logits, _ = tiny_model(dropout=0.5).eval()(x)
+        want, _ = tiny_model(dropout=0.0).eval()(x)
+    assert torch.equal(logits, want)
+    model = tiny_model(dropout=0.5)
+    attn, seen = model.blocks[0].attn, []
+    attn.proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    h = torch.randn(2, 16, 32)
+    cos, sin = model.cos[:16], model.sin[:16]
+    with torch.no_grad():
+        torch.manual_seed(1)
+        attn.train()(h, cos, sin)
+        attn.eval()(h, cos, sin)
+    dropped, plain = seen
+    assert not torch.allclose(dropped, plain)
+
+
+def test_rmsnorm_under_cpu_autocast_uses_the_norms_eps():
+    # Reference: the formula in float64 with the norm's own eps (conftest.assert_rmsnorm_rounded_once). With
+    # eps=1 against inputs of mean square about 9, eps moves every output by about 5%, far past bf16's half step:
+    # an eps that the bf16 path replaced (by float32's machine epsilon) shows.
+    norm, x = rmsnorm_bf16_case(seed=2)
+    norm.eps = 1.0
+    assert_rmsnorm_rounded_once(norm, x)
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_full_checkpointing_every_block():
+    # Reference: torch's FlopCounterMode over backward (matmul and attention FLOPs). Without checkpointing backward
+    # runs only gradient matmuls; 'selective' saves the matmul and attention outputs (SAVED_OPS), so it runs the
+    # same FLOPs; 'full' recomputes each block's forward first: more, all but the MLP's down projections (whose
+    # output backward never needs: non-reentrant checkpointing stops its recompute there), 3/4 of the blocks' here.
+    from torch.utils.flop_counter import FlopCounterMode
+    x, y = random_batch(0, 2, 16, 32)
+    flops = {}
+    for mode in ('none', 'selective', 'full'):
+        model = tiny_model()
+        model.activation_checkpointing = mode
+        _, loss = model(x, y)
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        flops[mode] = counter.get_total_flops()
+    down = sum(2 * x.numel() * block.mlp.down.weight.numel() for block in model.blocks)
+    h = model.wte(x)
+    cos, sin = rotary_tables(model.cos[:16], model.sin[:16])
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        for block in model.blocks:
+            h = block(h, cos, sin)
+    assert flops['selective'] == flops['none']
+    assert flops['full'] == flops['none'] + counter.get_total_flops() - down
+
+
+def test_head_dim_is_the_width_over_the_query_heads_and_n_kv_head_defaults_to_n_head():
+    # Reference: head_dim = n_embd / n_head (GPT-2, Llama; GQA's fewer key/value heads share it, they do not widen
+    # it), so Llama 3.2 1B's shape, width 2048, 32 query and 8 key/value heads, has heads of 64 and a fused QKV
+    # projection of (32 + 2 * 8) * 64 rows. Here the same ratios, scaled down.
+    config = tiny_config(n_embd=64, n_head=8, n_kv_head=2)
+    assert config.head_dim == 8
+    attn = CausalSelfAttention(config)
+    assert attn.qkv.weight.shape == ((8 + 2 * 2) * 8, 64) and attn.proj.weight.shape == (64, 64)
+    default = tiny_config(n_embd=64, n_head=8)  # n_kv_head 0: one key/value head per query head (GPT-2's attention)
+    assert default.n_kv_head == 8 and default.head_dim == 8
+
+
+def test_x0_mix_adds_the_same_dropped_out_embeddings_that_the_first_block_reads():
+    # Reference: x0 is the token embeddings after the embedding dropout, one draw (the module docstring: x = x0 =
+    # drop(wte(idx))): in train mode with dropout=0.5, block 1 reads block 0's output + x0_scale[0] * block 0's
+    # input, exactly, not a second, undropped copy of the embeddings.
+    model = tiny_model(dropout=0.5, x0_mix=True).train()
+    with torch.no_grad():
+        model.x0_scale.fill_(0.5)
+    seen = {}
+    model.blocks[0].register_forward_hook(lambda m, args, out: seen.update(x0=args[0].clone(), out0=out.clone()))
+    model.blocks[1].register_forward_pre_hook(lambda m, args: seen.update(in1=args[0].clone()))
+    with torch.no_grad():
+        model(random_batch(0, 2, 16, 32)[0])
+    assert (seen['x0'] == 0).float().mean() > 0.3  # the dropout drew
+    torch.testing.assert_close(seen['in1'], seen['out0'] + 0.5 * seen['x0'], rtol=0, atol=0)
+
+
+def test_head_dim_set_apart_from_the_width_needs_no_divisible_width():
+    # Reference: Qwen3's attention (transformers' Qwen3Attention): heads of head_dim each, q projected to
+    # n_head * head_dim and back to the width by o_proj, which need not be n_embd; so n_embd=40 with 3 heads of 16
+    # (48 wide) is a valid config, and only a derived head_dim (0) asks n_embd to divide by n_head.
+    config = tiny_config(n_embd=40, n_head=3, head_dim=16)
+    assert config.head_dim == 16
+    model = GPT(config)
+    assert model.blocks[0].attn.proj.weight.shape == (40, 48)
+    logits, _ = model(random_batch(0, 2, 16, 32)[0])
+    assert logits.shape == (2, 16, 32) and torch.isfinite(logits).all()
