@@ -22,6 +22,9 @@ class ConfigError(ValueError):
     pass
 
 
+LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)  # ast.literal_eval's, documented
+
+
 def _check_key(key, defaults, where):
     if key not in defaults:
         close = difflib.get_close_matches(key, list(defaults), n=1)
@@ -41,16 +44,11 @@ def _check_type(key, value, default, where):
 
 
 def _parse_flag_value(text, default):
-    if isinstance(default, str):
-        try:  # a quoted string is fine too
-            value = ast.literal_eval(text)
-            return value if isinstance(value, str) else text
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return text
     try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text  # reported as a type error by _check_type
+        value = ast.literal_eval(text)
+    except LITERAL_ERRORS:
+        return text  # a string key's text as written; any other key's, a type error in _check_type
+    return text if isinstance(default, str) and not isinstance(value, str) else value  # a quoted string is fine
 
 
 def read_config_file(path):
@@ -76,7 +74,7 @@ def read_config_file(path):
                               f"assignments are allowed, got: {ast.get_source_segment(source, node)}")
         try:
             values[node.targets[0].id] = ast.literal_eval(node.value)
-        except (ValueError, TypeError, MemoryError, RecursionError):  # TypeError: {[1]: 2}, unhashable
+        except LITERAL_ERRORS:  # TypeError: {[1]: 2}, unhashable
             raise ConfigError(f"config file '{path}' line {node.lineno}: the value of "
                               f"'{node.targets[0].id}' is not a literal (expressions are not "
                               f"evaluated): {ast.get_source_segment(source, node.value)}") from None

@@ -1560,7 +1560,7 @@ def train_loop(r):
                             + ['--init_from=resume'])
 
     def evaluate():
-        nonlocal saved_iter, t0, t0_iter, eval_s, windows
+        nonlocal saved_iter, t0, t0_iter, eval_s
         start = time.time()
         losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
         say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
@@ -1572,7 +1572,7 @@ def train_loop(r):
         r.best_val_loss = min(r.best_val_loss, losses['val'])
         save(r, *([r.best_path] if improved else []), r.ckpt_path)
         saved_iter = r.iter_num
-        t0, t0_iter, windows = time.time(), r.iter_num, 0  # keep evaluation out of the throughput figures
+        t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
         eval_s = t0 - start  # evaluation, plot and checkpoints: the time left counts those to come
 
     with stop_on_signals() as stop:
@@ -1582,7 +1582,7 @@ def train_loop(r):
             torch.manual_seed(cfg.seed + r.rank + r.iter_num)
         state_reported = False
         bad_steps, skipped, saved_iter = 0, 0, (r.iter_num if cfg.init_from == 'resume' else None)
-        t0, t0_iter, windows, eval_s = time.time(), r.iter_num, 0, 0.0  # windows: their sum since t0
+        t0, t0_iter, eval_s = time.time(), r.iter_num, 0.0
         while True:
             # every eval_interval, and at the end (max_iters need not be a multiple of it)
             if (r.iter_num % cfg.eval_interval == 0 or r.iter_num >= cfg.max_iters) and r.last_eval != r.iter_num:
@@ -1595,7 +1595,7 @@ def train_loop(r):
             window = window_at(r.iter_num, cfg)
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
                                         cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
-            r.iter_num, r.tokens, windows = r.iter_num + 1, r.tokens + tokens_per_iter(cfg), windows + window
+            r.iter_num, r.tokens = r.iter_num + 1, r.tokens + tokens_per_iter(cfg)
             if not ok:
                 bad_steps, skipped = bad_steps + 1, skipped + 1
                 say(f"iter {r.iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
@@ -1611,9 +1611,10 @@ def train_loop(r):
                 dt = time.time() - t0
                 ms_per_iter = 1000 * dt / max(1, r.iter_num - t0_iter)
                 tokens_per_sec = tokens_per_iter(cfg) * (r.iter_num - t0_iter) / dt
-                # per GPU; the mean window since t0 (FLOPs per token are linear in it), short_block_size's doubling
+                # per GPU, at the mean window of the steps since t0 (FLOPs per token are linear in it)
+                steps = range(t0_iter, r.iter_num)
                 mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype,
-                                           windows / max(1, r.iter_num - t0_iter))
+                                           sum(window_at(i, cfg) for i in steps) / max(1, len(steps)))
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000 + evals_left(r.iter_num, cfg) * eval_s
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
@@ -1629,7 +1630,7 @@ def train_loop(r):
                         + (f"{state / 2**20:,.1f} MiB per process (its {held:,} parameters), " if world > 1 else '')
                         + state_where(r.optimizer))
                     state_reported = True
-                t0, t0_iter, windows = time.time(), r.iter_num, 0
+                t0, t0_iter = time.time(), r.iter_num
             if agree(bool(stop), r.device, every=False):  # a signal to any process stops them all, at one step
                 save(r, r.ckpt_path)
                 signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
