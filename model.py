@@ -1,6 +1,7 @@
 """
-A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block, loss,
-model, then FLOPs/MFU arithmetic and generation.
+A modern GPT in one file, read top to bottom: config, norm, rotary embedding, attention, MLP, block, KV cache,
+selective checkpointing, loss, the model (with its FLOPs/MFU arithmetic and generate), then sampling and the
+GPUs' peak FLOPs.
 
 Features, each findable by name below:
 - GPTConfig: one flat dataclass; derived sizes (head_dim, mlp_hidden, unless set) and shape checks in
@@ -13,7 +14,8 @@ Features, each findable by name below:
 - Attention with ONE fused QKV projection, grouped-query attention (n_kv_head < n_head) and causal
   attention through F.scaled_dot_product_attention (flash / memory-efficient kernels; in float32 under CPU
   autocast: attend); optional QK-norm.
-- MLP: SwiGLU (default), GeGLU, GELU or ReLU^2.
+- MLP: SwiGLU (default), GeGLU, GELU or ReLU^2. The fused matrices' parts (fused_parts: q, k, v; gate, up).
+- Dropout (embeddings, attention, residual branches), off in eval.
 - x0_mix: each block after the first also reads a learned multiple of the token embeddings.
 - Tied input/output embeddings (optional), GPT-2 style init with residual projections scaled by depth
   (or zero: zero_init_proj); optional logit soft-capping (softcap).
@@ -22,10 +24,10 @@ Features, each findable by name below:
   'selective' keeps the matmul and attention outputs and recomputes only the cheap ops between them.
 - The loss without the full logits (ChunkedCrossEntropy, `model.loss_chunk_tokens`): the head's matmul,
   cross-entropy and their gradients a chunk of tokens at a time; forward returns logits only without targets.
-  Targets equal to IGNORE_INDEX (-100) count in neither loss, as in F.cross_entropy.
+  Targets equal to IGNORE_INDEX (-100) count in neither loss, as in F.cross_entropy; label smoothing in both.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
   device's peak (PEAK_FLOPS: A100, H100, H200, H800, GH200, L40S, L40, L4, RTX 4090; None elsewhere).
-- generate(): KV cache, temperature, top-k, top-p, under torch.inference_mode().
+- generate(): KV cache, temperature, top-k, top-p, vocab_limit (no padding ids), under torch.inference_mode().
 """
 import math
 from dataclasses import dataclass, fields
@@ -102,8 +104,7 @@ class GPTConfig:
         self.mlp_hidden = self.mlp_hidden or 64 * math.ceil(hidden / 64)
 
     def to_dict(self):
-        """The constructor arguments, the derived sizes as derived (what a checkpoint stores). A checkpoint written
-        before head_dim, mlp_hidden and the RoPE scaling were fields lacks them: their defaults rebuild its model."""
+        """The constructor arguments, the derived sizes as derived (what a checkpoint stores)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -207,6 +208,9 @@ def apply_rotary(x, cos, sin):
     return torch.addcmul(x * cos.to(x.dtype), swapped, sin.to(x.dtype))
 
 
+# ----------------------------------------------------------------------------------------------------
+# attention
+
 def attend(q, k, v, **kwargs):
     """F.scaled_dot_product_attention(q, k, v, **kwargs), except under CPU autocast: there in float32, since
     torch 2.13's CPU flash attention runs bf16 1.3x (T=256) to 3x (T=64) slower than float32 (head_dim 32,
@@ -217,8 +221,6 @@ def attend(q, k, v, **kwargs):
         return F.scaled_dot_product_attention(*(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
                                                 for t in (q, k, v)), **kwargs)
 
-
-# ----------------------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
 
@@ -570,8 +572,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
         logits = logits.masked_fill(logits < kth, float('-inf'))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # tokens past the first that reaches top_p
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # tokens past the first that reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float('-inf'))
         logits = torch.full_like(logits, float('-inf')).scatter(-1, order, sorted_logits)
     probs = F.softmax(logits, dim=-1)

@@ -1,8 +1,8 @@
 """
 Train a GPT on the token files that prepare_data.py writes. Read top to bottom: the defaults, the pieces
-of a training run (data, schedule, optimizer, step, eval, checkpoints), then main(): setup() builds and
-checks everything once, report() prints what the run is, and train_loop() runs a loop free of option
-branches.
+of a training run (device and dtype, data, schedule and optimizer, FP8, step and eval, checkpoints, processes),
+the config checks, then main(): setup() builds and checks everything once, report() prints what the run is,
+and train_loop() runs a loop free of option branches.
 
     python prepare_data.py && python train.py config/train_small.py       # CPU, a few minutes on 2 cores
     python train.py config/train_shakespeare_char.py --compile=True       # one GPU
@@ -12,7 +12,8 @@ branches.
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py --parallelism=fsdp
 
 Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
-keys and wrong types are errors; check_config: values out of range are errors). Features, each findable by name:
+keys and wrong types are errors; check_config: values out of range are errors; setting_warnings: a setting
+that has no effect in this run is named). Features, each findable by name:
 - device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
   has it, else fp16 with a GradScaler; float32 on CPU (bf16 on request, or where native: cpu_has_bf16);
   TF32 matmuls on CUDA.
@@ -20,18 +21,23 @@ keys and wrong types are errors; check_config: values out of range are errors). 
   random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched; the first
   short_block_iters steps can train on shorter windows, growing to block_size (window_at).
 - train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
-  non-finite losses and gradients away from the weights.
+  non-finite losses and gradients away from the weights (max_nonfinite_steps in a row stop the run; weights
+  that are not finite are never saved: weights_finite).
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
   muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
 - activation checkpointing (full or selective), torch.compile (every window shape compiled before training;
-  loud fallback to eager if it fails, a stop with advice if it runs out of memory), periodic eval.
+  loud fallback to eager if it fails, a stop with advice if it runs out of memory), periodic eval (also at
+  iteration 0: eval_at_start; eval_iters=0: the whole val split, Windows).
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state, refused on data with another
-  vocabulary (vocabulary_mismatch); a scratch run moves an earlier run's files aside instead of overwriting them.
+  loaded with weights_only=True; exact resume including data and RNG state, with the changed settings printed
+  (config_diff); refused on data with another vocabulary (vocabulary_mismatch), on another shape (SHAPE_KEYS)
+  or optimizer (OPTIMIZER_KEYS), or on a model setting this model.py lacks; the best val loss starts over when
+  what it depends on changes (EVAL_KEYS); a scratch run moves an earlier run's files aside instead of
+  overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
@@ -39,11 +45,10 @@ keys and wrong types are errors; check_config: values out of range are errors). 
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
-  the same in out_dir/metrics.jsonl
-  (each line with time_s, the wall seconds since the process started),
-  drawn into out_dir/metrics.png at each evaluation (plot_metrics, with plot.py) and, with wandb_log=True,
-  sent to Weights & Biases (start_wandb); where the optimizer state lives (state_where: GPU, CPU or paged
-  managed memory).
+  out_dir/metrics.jsonl gets the loss, lr, tokens/s, MFU, peak memory and the eval losses, each line with the
+  tokens so far and time_s (wall seconds since the process started), drawn into out_dir/metrics.png at each
+  evaluation (plot_metrics, with plot.py) and, with wandb_log=True, sent to Weights & Biases (start_wandb);
+  the optimizer state's bytes per parameter and where it lives (state_where: GPU, CPU or paged managed memory).
 """
 import time
 
@@ -113,7 +118,7 @@ label_smoothing = 0.0           # the training loss logged includes it; evaluati
 batch_size = 12
 gradient_accumulation_steps = 1
 short_block_size = 0            # > 0: start on windows of this many tokens, doubled at equal steps up to block_size
-short_block_iters = 0           # at this iteration (each drawn window cut into pieces: the same tokens per step)
+short_block_iters = 0           # until this iteration (each drawn window cut into pieces: the same tokens per step)
 # optimizer
 optimizer = 'adamw'             # 'adamw', 'adamw8bit', 'paged_adamw8bit' (bitsandbytes) or 'muon'
 muon_split = False              # muon: orthogonalize q, k, v and gate, up as separate matrices (see Muon)
@@ -154,7 +159,7 @@ from configurator import configure, ConfigError, read_config_file  # noqa: E402
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
 from prepare_data import os_reason, probe_dir, vocabulary  # noqa: E402
 
-MODEL_KEYS = [k for k in GPTConfig().to_dict()]
+MODEL_KEYS = list(GPTConfig().to_dict())
 # what a resumed run must not change (dropout may; zero_init_proj only chose the initial weights)
 SHAPE_KEYS = [k for k in MODEL_KEYS if k not in ('dropout', 'zero_init_proj')]
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, keyed by parameter name
@@ -173,6 +178,9 @@ EVAL_KEYS = ('data_dir', 'eval_iters', 'batch_size', 'block_size', 'seed')
 class TrainError(RuntimeError):
     """A problem with the run's inputs: reported as one clear message, without a traceback."""
 
+
+# ----------------------------------------------------------------------------------------------------
+# device and dtype
 
 def pick_device(name):
     if name != 'auto':
@@ -348,7 +356,7 @@ class Windows:
         self.tokens, self.batch_size, self.block_size, self.device = tokens, batch_size, block_size, device
         self.rank, self.world = rank, world
         self.count = (len(tokens) - 1) // block_size  # windows; load_tokens makes it at least 1
-        self.batches = math.ceil(self.count / batch_size)
+        self.n_batches = math.ceil(self.count / batch_size)
 
     def batch(self, i):
         """Inputs and targets of the i-th batch of windows, (B, T) each: one contiguous slice of the tokens."""
@@ -360,9 +368,9 @@ class Windows:
         """This process's batches, each weighted by its windows (all of equal length) in the mean over all
         `count` of them (eval_total); a process left without a batch repeats the first one with weight 0, so
         that every process runs as many forwards (under FSDP each one is a collective)."""
-        for i in range(self.rank, self.world * math.ceil(self.batches / self.world), self.world):
-            x, y = self.batch(i if i < self.batches else 0)
-            yield x, y, (x.size(0) if i < self.batches else 0)
+        for i in range(self.rank, self.world * math.ceil(self.n_batches / self.world), self.world):
+            x, y = self.batch(i if i < self.n_batches else 0)
+            yield x, y, (x.size(0) if i < self.n_batches else 0)
 
     @property
     def eval_total(self):
@@ -399,6 +407,11 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
+def optimizers(optimizer):
+    """The torch optimizers inside an optimizer (several for Muon's Optimizers)."""
+    return list(getattr(optimizer, 'optimizers', [optimizer]))
+
+
 class Optimizers:
     """Several optimizers stepped as one: Muon for the blocks' matrices, AdamW for the rest."""
 
@@ -427,8 +440,7 @@ class Muon(torch.optim.Optimizer):
       as modded-nanogpt does with separate matrices;
     - cost on small matrices: all matrices (or parts) of one shape go through Newton-Schulz together, as
       batched matmuls, in ns_dtype (None: bf16 on CUDA as torch, float32 elsewhere; train.py passes
-      muon_ns_dtype's choice): a CPU with bf16 units runs it about 2x faster in bf16, one without them
-      about 10x slower (emulated).
+      muon_ns_dtype's choice: bf16 where native, see cpu_has_bf16).
     The state is torch's ('momentum_buffer' per matrix; the groups' settings are the constructor's, which
     train.py's resume keeps), so the momentum of either optimizer's checkpoint loads into the other.
     """
@@ -489,17 +501,14 @@ def torch_ns_dtype(device_type):
 
 def muon_ns_dtype(setting, device_type):
     """The name of Muon's Newton-Schulz dtype for muon_dtype=setting, and why. 'auto': bf16 on CUDA (as
-    torch.optim.Muon) and on CPUs with AVX512-BF16 or AMX (2x float32's speed on the small batched matmuls of a
-    CPU-sized model); float32 elsewhere, where bf16 matmuls are emulated, about 10x slower."""
+    torch.optim.Muon) and where the CPU multiplies bf16 natively (cpu_has_bf16), float32 elsewhere."""
     if setting != 'auto':  # check_config allows 'float32' and 'bfloat16'
-        dtype, why = setting, 'as configured' + emulated_note(setting, device_type)
-    elif device_type == 'cuda':
-        dtype, why = 'bfloat16', 'as torch.optim.Muon on CUDA'
-    elif device_type == 'cpu' and cpu_has_bf16():
-        dtype, why = 'bfloat16', 'this CPU has ' + CPU_BF16
-    else:
-        dtype, why = 'float32', f'{device_type} has no native bf16 matmul'
-    return dtype, why
+        return setting, 'as configured' + emulated_note(setting, device_type)
+    if device_type == 'cuda':
+        return 'bfloat16', 'as torch.optim.Muon on CUDA'
+    if device_type == 'cpu' and cpu_has_bf16():
+        return 'bfloat16', 'this CPU has ' + CPU_BF16
+    return 'float32', f'{device_type} has no native bf16 matmul'
 
 
 def configure_optimizer(model, cfg, device_type, fused=None):
@@ -508,10 +517,9 @@ def configure_optimizer(model, cfg, device_type, fused=None):
     adamw: torch's AdamW, fused on CUDA (8 bytes of state per parameter); with optimizer_offload, torchao's
     CPUOffloadOptimizer keeps that state in CPU memory and steps there. adamw8bit, paged_adamw8bit:
     bitsandbytes' 8-bit AdamW (about 2 bytes per parameter; small tensors stay 32-bit, as bitsandbytes
-    decides; paged state lives in CUDA managed memory). muon: Muon (torch.optim.Muon's update, see the class)
-    on the blocks' matrices, orthogonalized updates scaled to AdamW's RMS (Liu et al. 2025,
-    https://arxiv.org/abs/2502.16982) so that one learning_rate serves both, and AdamW on embeddings, head and
-    norms; muon_split orthogonalizes the parts of the fused matrices separately. fused=False asks for torch's
+    decides; paged state lives in CUDA managed memory). muon: Muon (see the class) on the blocks' matrices,
+    AdamW on everything else (embeddings, head, norms, x0_scale); muon_split orthogonalizes the parts of the
+    fused matrices separately. fused=False asks for torch's
     default AdamW kernels (multi-tensor on CUDA) instead of the fused one, as bench.py's early rungs do.
     """
     fused = (device_type == 'cuda') if fused is None else fused
@@ -570,7 +578,7 @@ def state_tensors(optimizer):
     CPUOffloadOptimizer, those of the optimizers it holds: one on the GPU for the small tensors, one on the
     CPU for each large one."""
     opts = []
-    for opt in getattr(optimizer, 'optimizers', [optimizer]):
+    for opt in optimizers(optimizer):
         inner = [getattr(opt, 'd_opt', None), *getattr(opt, 'optim_dict', {}).values()]
         opts += [o for o in inner if o is not None] or [opt]
     seen = {}
@@ -690,6 +698,9 @@ def convert_to_fp8(model, recipe, device):
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
     return names
 
+
+# ----------------------------------------------------------------------------------------------------
+# a training step, an evaluation
 
 def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0,
                grad_sync=lambda last: nullcontext(), window=None):
@@ -827,6 +838,9 @@ def config_diff(old, new, keys):
 def weights_finite(model):
     return all(bool(torch.isfinite(p.to_local() if hasattr(p, 'to_local') else p).all()) for p in model.parameters())
 
+
+# ----------------------------------------------------------------------------------------------------
+# processes: agreement, memory, signals
 
 def agree(flag, device, every=True):
     """One bool for all processes: whether the flag is true in every process (every=True) or in any."""
@@ -1103,7 +1117,7 @@ def start_or_resume(r):
         if is_hf(cfg):
             r.init_from = start_from_hf(r)
         return None
-    ckpt = load_checkpoint(r.ckpt_path, 'cpu')
+    ckpt = load_checkpoint(r.ckpt_path)
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
         raise TrainError(f"{r.ckpt_path} is not a training checkpoint of this script: it lacks {', '.join(missing)}")
@@ -1486,11 +1500,6 @@ def tokens_per_iter(cfg):
     return cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
 
 
-def optimizers(optimizer):
-    """The torch optimizers inside an optimizer (several for Muon's Optimizers)."""
-    return list(getattr(optimizer, 'optimizers', [optimizer]))
-
-
 def save(r, *paths):
     """Checkpoint the run to each path. Every process takes part (FSDP gathers the shards); process 0 writes."""
     if not agree(weights_finite(r.model), r.device):
@@ -1625,9 +1634,10 @@ def train_loop(r):
                 log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, 'loss': loss, 'lr': lr,
                                 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': mem})
                 if not state_reported:  # the state exists once a step has run
-                    held, state = local_params(r.model), optimizer_state_bytes(r.optimizer)
-                    say(f"optimizer state: {state / held:.2f} bytes per parameter ({cfg.optimizer}), "
-                        + (f"{state / 2**20:,.1f} MiB per process (its {held:,} parameters), " if world > 1 else '')
+                    held, state_bytes = local_params(r.model), optimizer_state_bytes(r.optimizer)
+                    say(f"optimizer state: {state_bytes / held:.2f} bytes per parameter ({cfg.optimizer}), "
+                        + (f"{state_bytes / 2**20:,.1f} MiB per process (its {held:,} parameters), "
+                           if world > 1 else '')
                         + state_where(r.optimizer))
                     state_reported = True
                 t0, t0_iter = time.time(), r.iter_num
@@ -1639,8 +1649,6 @@ def train_loop(r):
                 return 128 + signum
         if saved_iter != r.iter_num:
             save(r, r.ckpt_path)
-        if r.last_eval != r.iter_num:  # (max_iters=0 with eval_at_start=False: nothing evaluated)
-            plot_metrics(r, final=True)
         say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
         return 0
 
