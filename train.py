@@ -377,6 +377,15 @@ class Windows:
         return self.count
 
 
+def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
+    """What each evaluation measures: eval_iters seeded batches of each split, or with eval_iters=0 every window
+    of the val split (the train split, 9 times larger on the default data, is then left out)."""
+    if cfg.eval_iters == 0:
+        return {'val': Windows(val_tokens, cfg.batch_size, cfg.block_size, device, rank, world)}
+    return {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
+            for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
+
+
 # ----------------------------------------------------------------------------------------------------
 # optimization
 
@@ -1418,24 +1427,6 @@ def start_wandb(r):
     return wandb.init(project=r.cfg.wandb_project, name=r.cfg.wandb_run_name or None, config=vars(r.cfg))
 
 
-def plot_metrics(r, final=False):
-    """Redraw out_dir/metrics.png from metrics.jsonl in process 0: at an evaluation once the last drawing is
-    PLOT_EVERY_S old, and at the end (final). A plot that cannot be written is a warning: it is never worth
-    the run."""
-    if not r.master or not (final or time.time() - r.plotted_at >= PLOT_EVERY_S):
-        return
-    r.plotted_at = time.time()
-    import plot  # and matplotlib (a second) in plot.draw, at the first drawing rather than at start-up
-    try:
-        records = plot.read_metrics(r.cfg.out_dir)
-    except ValueError:  # metrics.jsonl missing or empty: log_metrics has warned about that already
-        return
-    try:
-        plot.draw({r.cfg.out_dir: records}, r.plot_path)
-    except Exception as e:
-        print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
-
-
 def report(r):
     """Print the resolved config, the model and which optimizations are on (and why any is off)."""
     cfg, say, model = r.cfg, r.say, r.model
@@ -1479,15 +1470,6 @@ def report(r):
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
     for warning in setting_warnings(cfg) if r.master else []:
         print(f"warning: {warning}", file=sys.stderr)
-
-
-def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
-    """What each evaluation measures: eval_iters seeded batches of each split, or with eval_iters=0 every window
-    of the val split (the train split, 9 times larger on the default data, is then left out)."""
-    if cfg.eval_iters == 0:
-        return {'val': Windows(val_tokens, cfg.batch_size, cfg.block_size, device, rank, world)}
-    return {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
-            for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
 
 
 def evals_left(it, cfg):
@@ -1557,6 +1539,24 @@ def log_metrics(r, record):
     if r.metrics_lost:
         r.say(f"{r.metrics_path} is written again; {r.metrics_lost} line(s) were lost")
         r.metrics_lost = 0
+
+
+def plot_metrics(r, final=False):
+    """Redraw out_dir/metrics.png from metrics.jsonl in process 0: at an evaluation once the last drawing is
+    PLOT_EVERY_S old, and at the end (final). A plot that cannot be written is a warning: it is never worth
+    the run."""
+    if not r.master or not (final or time.time() - r.plotted_at >= PLOT_EVERY_S):
+        return
+    r.plotted_at = time.time()
+    import plot  # and matplotlib (a second) in plot.draw, at the first drawing rather than at start-up
+    try:
+        records = plot.read_metrics(r.cfg.out_dir)
+    except ValueError:  # metrics.jsonl missing or empty: log_metrics has warned about that already
+        return
+    try:
+        plot.draw({r.cfg.out_dir: records}, r.plot_path)
+    except Exception as e:
+        print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
 
 
 def train_loop(r):
