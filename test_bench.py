@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
 
 import bench
 import train
@@ -203,6 +204,63 @@ def test_kernel_times_count_each_kernel_once_and_the_optimizers_by_launcher():
     assert busy_ms == pytest.approx((100 + 40 + 30) / 1000)
 
 
+def test_kind_of_cpu_operators_and_copy_kernels():
+    # Reference: names as torch's profiler reports them: the CPU operators of the matmuls; the foreach operators of
+    # gradient clipping and the GradScaler's unscale, which run outside Optimizer.step (the optimizer's by name);
+    # CUDA's memset and its plain copy kernel (memory copies), where a cast to bf16 computes (elementwise)
+    names = {'aten::mm': 'matmul', 'aten::addmm': 'matmul', 'aten::bmm': 'matmul',
+             'aten::_foreach_norm': 'optimizer', 'aten::_foreach_mul_': 'optimizer',
+             'aten::_amp_foreach_non_finite_check_and_unscale_': 'optimizer',
+             'Memset (Device)': 'memory copy',
+             'void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)'
+             '::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>': 'memory copy',
+             'void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(at::TensorIterat'
+             'orBase&)::{lambda(float)#1}>': 'elementwise and other'}
+    for name, kind in names.items():
+        assert bench.kind_of(name) == kind, name
+
+
+def test_kernel_times_busy_time_is_the_union_of_the_kernels():
+    # Reference: intervals by hand. Kernels at 0-100, 20-60 (inside the first), 80-120 and 150-160 us cover
+    # 0-120 and 150-160: 130 us; a kernel launched wholly from Optimizer.step leaves its name's kind no time
+    # (no kind of 0 us is listed)
+    kernels = [fake_kernel('nvjet_a', 0, 100), fake_kernel('triton_poi_fused_mul_0', 20, 60),
+               fake_kernel('nvjet_b', 80, 120), fake_kernel('triton_poi_fused_add_1', 150, 160)]
+    step = fake_cpu_call('Optimizer.step#AdamW.step')
+    launcher = fake_cpu_call('aten::add_', step, kernels[3:])
+    spent, calls, shares, kind, busy_ms = bench.kernel_times([launcher, step, *kernels[::-1]])
+    assert busy_ms == pytest.approx(130 / 1000)
+    assert shares == {'matmul': 140, 'elementwise and other': 40, 'optimizer': 10}
+    assert kind['triton_poi_fused_add_1'] == 'optimizer'
+    _, _, shares, _, busy_ms = bench.kernel_times([launcher, step, kernels[3]])
+    assert shares == {'optimizer': 10} and busy_ms == pytest.approx(10 / 1000)
+
+
+def test_profile_mode_profiles_the_top_rung_for_its_steps(tmp_path, monkeypatch):
+    # Reference: the docstring's ladder on the CPU with --dtype=bfloat16 and compile off: the top rung is rung 7
+    # (bf16, SDPA's choice of kernel, fused QKV, chunked loss; TF32 and fused AdamW are CUDA only). Its steps are
+    # counted: the preset's warm-up step and 2 steps, profiled once (not repeated); the wall time is those 2 steps
+    # of 128 tokens at the tokens/s reported; MFU against a made-up bf16 peak of 1e9 FLOP/s, by hand.
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': 1e9)
+    settings, steps, real_run_rung, real_step = [], [], bench.run_rung, train.train_step
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env, **kw: settings.append(dict(s)) or real_run_rung(s, env, **kw))
+    monkeypatch.setattr(train, 'train_step', lambda *args: steps.append(1) or real_step(*args))
+    assert bench.main([*TINY, f'--out={tmp_path}', '--mode=profile', '--dtype=bfloat16']) == 0
+    assert settings == [{**bench.BASE, 'dtype': 'bfloat16', 'attention': 'auto', 'fused_qkv': True,
+                         'chunked_loss': True}]
+    assert len(steps) == 1 + 2
+    text = (tmp_path / 'profile.md').read_text()
+    assert '- rung: bf16 autocast; fused_qkv, chunked_loss\n' in text
+    calls = dict(re.findall(r'^\| `([^`]+)` \| [a-z ]+ \| [\d,.]+ \| [\d.]+% \| (\d+) \|$', text, re.M))
+    assert calls['Optimizer.step#AdamW.step'] == '2'  # one optimizer step per profiled step
+    wall, tokens_per_sec, mfu = re.search(r'^- profiled: 2 step\(s\) after 1 warm-up step\(s\): ([\d,.]+) ms wall, '
+                                          r'([\d,]+) tokens/s, MFU ([\d,.]+)% of the bf16 peak$', text, re.M).groups()
+    tokens_per_sec = float(tokens_per_sec.replace(',', ''))
+    assert float(wall.replace(',', '')) == pytest.approx(2 * 128 / tokens_per_sec * 1000, rel=0.02, abs=0.06)
+    flops = GPT(bench.setup(TINY).config).flops_per_token()
+    assert float(mfu.replace(',', '')) / 100 == pytest.approx(flops * tokens_per_sec / 1e9, rel=0.01)
+
+
 class KVSwapped(bench.SeparateQKVAttention):
     def __init__(self, fused):
         super().__init__(fused)
@@ -380,7 +438,8 @@ def test_largest_batch_doubles_then_bisects():
 
 
 @pytest.mark.parametrize('n, micro, expected', [(512, 24, (16, 32)), (512, 512, (512, 1)), (512, 1000, (512, 1)),
-                                                (12, 5, (4, 3)), (7, 3, (1, 7)), (512, 0, (None, None))])
+                                                (12, 5, (4, 3)), (7, 3, (1, 7)), (5, 1, (1, 5)),
+                                                (512, 0, (None, None))])
 def test_split_step(n, micro, expected):
     assert bench.split_step(n, micro) == expected
 
@@ -429,6 +488,47 @@ def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
 def test_a_bad_setting_is_a_config_error_naming_it(flag, message):
     # Reference: the messages of GPTConfig and of train.check_device, which train.py gives for the same values
     # (a ConfigError is printed as one line, where these were tracebacks of ValueError or RuntimeError)
+    with pytest.raises(bench.ConfigError, match=re.escape(message)):
+        bench.setup([*TINY, flag])
+
+
+def test_the_report_records_the_run_conditions(result):
+    # Reference: the run's flags (the tiny preset on the CPU) and the model built from the recorded shape, its
+    # parameters counted once each (the tied head is the embedding)
+    report, _ = result
+    assert (report['preset'], report['device_type']) == ('tiny', 'cpu')
+    assert report['memory'] == 'n/a on cpu' and report['runtime_s'] >= 0
+    model = GPT(GPTConfig(**report['model']))
+    assert report['params'] == sum(p.numel() for p in model.parameters())
+    assert (report['batch_size'], report['block_size'], report['gradient_accumulation_steps']) == (4, 32, 1)
+
+
+def test_setup_defaults_and_limits():
+    # Reference: the docstring and DEFAULTS: on the CPU 'auto' is the small preset; the rungs are numbered 1 to 12
+    # (8 of the ladder, 4 memory rungs); random tokens (no data here) draw from the whole vocabulary; --threads sets
+    # torch's CPU threads
+    env = bench.setup(['--device=cpu', '--data_dir=no-such-dir'])
+    assert env.preset == 'small' and {k: getattr(env, k) for k in bench.PRESETS['small']} == bench.PRESETS['small']
+    assert bench.setup([*TINY, '--rungs=12,1']).rungs == [1, 12]
+    with pytest.raises(bench.ConfigError, match='numbered 1 to 12'):
+        bench.setup([*TINY, '--rungs=13'])
+    env = bench.setup(TINY)
+    assert env.tokens.min() == 0 and env.tokens.max() == env.vocab_size - 1
+    threads = torch.get_num_threads()
+    try:
+        bench.setup([*TINY, '--threads=3'])
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--repeats=0', 'repeats=0 must be at least 1'), ('--warmup=-1', 'warmup=-1 must be at least 1'),
+    ('--steps=-1', 'steps=-1 must be at least 1'), ('--batch_size=-1', 'batch_size=-1 must be at least 1'),
+    ('--residual=bfloat16', "residual='bfloat16': expected one of 'float32', 'autocast'"),
+    ('--mode=sweep', "mode='sweep': expected one of 'ladder', 'fit', 'profile'")])
+def test_a_setting_out_of_range_is_a_config_error(flag, message):
+    # Reference: the DEFAULTS comments: a median needs a repeat, compile compiles in the warm-up, the choices listed
     with pytest.raises(bench.ConfigError, match=re.escape(message)):
         bench.setup([*TINY, flag])
 
@@ -497,6 +597,279 @@ def test_fit_mode_on_the_cpu_says_it_needs_a_gpu():
     assert proc.stderr.startswith('bench.py: error: --mode=fit needs a CUDA GPU'), proc.stderr
 
 
+def test_largest_batch_reaches_a_cap_that_is_a_power_of_two():
+    # Reference: every size up to the cap fits, so the cap is the answer (64 = 2^6: the doubling reaches it exactly)
+    for cap in (1, 2, 64):
+        assert bench.largest_batch(lambda b: True, cap) == cap, cap
+        assert bench.largest_batch(lambda b: b <= cap, 4 * cap) == cap, cap
+
+
+def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
+    # Reference: made-up memory limits, by variant, on a made-up GPU: 'as is' fits the whole step of 64 sequences
+    # (2050 tokens of 32: 64 whole sequences, 2048 tokens); 'act. ckpt full' runs out of memory even at 1 sequence;
+    # '8-bit AdamW' fails in another way (not memory: the search stops and says so); the last runs out of memory
+    # past 5 sequences with a two-line message (recorded: its first line), and its second try (2) finds 3 GiB
+    # still allocated (a leak, whatever the later tries find). Each try runs the top ladder rung that runs eager
+    # (rung 7) with the variant's change.
+    tries = []
+    # tries: 'as is' 1, 2, ..., 64; 'act. ckpt full' 1; '8-bit AdamW' 1; the last 1, 2, 4, 8, then 6, 5
+    allocated = iter([0] * (7 + 1 + 1 + 1) + [3 << 30] + [0] * 4)
+
+    def fake_run_rung(s, env):
+        tries.append(dict(s))
+        if s['checkpointing'] == 'full' and s['optimizer'] == 'adamw8bit':
+            if env.batch_size > 5:
+                raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB\nGPU 0 details')
+        elif s['checkpointing'] == 'full':
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory')
+        elif s['optimizer'] == 'adamw8bit':
+            raise RuntimeError('cuDNN error: CUDNN_STATUS_BAD_PARAM')
+    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2050'])
+    env.device_type = 'cuda'
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: next(allocated))
+    monkeypatch.setattr(bench.gc, 'collect', lambda: 0)  # (fast: nothing to collect in a stand-in)
+    assert bench.fit(env) == 0
+    record = json.load(open(tmp_path / 'fit.json'))
+    assert record['tokens_per_step'] == 64 * 32
+    for key in ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data'):
+        assert record[key] == env.meta[key], key
+    whole, none, other, last = record['variants']
+    assert (whole['micro_batch'], whole['batch_size'], whole['gradient_accumulation_steps']) == (64, 64, 1)
+    assert whole['note'] == 'the whole step fits in one micro-batch' and whole['failures'] == []
+    assert (none['micro_batch'], none['batch_size'], none['gradient_accumulation_steps']) == (0, None, None)
+    assert none['note'] == 'does not fit even at batch_size=1'
+    assert other['micro_batch'] is None and other['note'] == 'failed: RuntimeError: cuDNN error: CUDNN_STATUS_BAD_PARAM'
+    assert (last['micro_batch'], last['batch_size'], last['gradient_accumulation_steps']) == (5, 4, 16)
+    assert last['held_before_try'] == [0, 3 << 30, 0, 0, 0, 0] and whole['held_before_try'] == [0] * 7
+    assert last['note'] == '(up to 3.0 GiB still allocated before a try: a leak)'
+    assert last['failures'][0] == {'batch_size': 8, 'error': 'OutOfMemoryError: CUDA out of memory. Tried to '
+                                                             'allocate 2.00 GiB'}
+    rung7 = {**bench.BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True,
+             'fused_adamw': True, 'chunked_loss': True}
+    assert whole['settings'] == tries[0] == rung7
+    assert last['settings'] == {**rung7, 'checkpointing': 'full', 'optimizer': 'adamw8bit'}
+    assert all(t == rung7 for t in tries[:7])  # 1, 2, ..., 64 for 'as is'
+
+
+def test_fit_takes_a_step_of_at_least_one_sequence(tmp_path, monkeypatch):
+    # Reference: a step holds whole sequences, at least one: 16 tokens asked of 32-token sequences is one sequence
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env: None)  # every size fits
+    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=16'])
+    assert bench.fit(env) == 0
+    record = json.load(open(tmp_path / 'fit.json'))
+    assert record['tokens_per_step'] == 32
+    for v in record['variants']:
+        assert (v['micro_batch'], v['batch_size'], v['gradient_accumulation_steps']) == (1, 1, 1), v['variant']
+        assert v['note'] == 'the whole step fits in one micro-batch', v['variant']
+
+
+# ----------------------------------------------------------------------------------------------------
+# the ladder's bookkeeping, on a stand-in for run_rung (no training: a fraction of a second)
+
+def stand_in_ladder(monkeypatch, *flags, fail=lambda s: None):
+    """bench.ladder's rows with run_rung replaced: the k-th rung run takes 100 / k ms (each faster than the last),
+    or raises what fail(settings) returns. Also returns the settings each rung ran with, in order, and the env."""
+    ran = []
+
+    def run_rung(s, env, **kwargs):
+        ran.append(dict(s))
+        error = fail(s)
+        if error:
+            raise error
+        ms = 100 / len(ran)
+        return dict(ms_per_iter=ms, tokens_per_sec=env.batch_size * env.block_size / (ms / 1000), loss=1.0,
+                    mfu=None, mfu_peak=None, peak_mem_mb=None, activation_mb=len(ran) / 8, optimizer_state_mb=0.25)
+    monkeypatch.setattr(bench, 'run_rung', run_rung)
+    env = bench.setup([*TINY, *flags])
+    return bench.ladder(env), ran, env
+
+
+def test_each_rung_builds_on_the_last_rung_that_ran(monkeypatch):
+    # Reference: the ladder as the module's docstring lists it, on the CPU with compile on: 2 (TF32), 3 (bf16, off
+    # on the CPU), 6 (fused AdamW) and 12 (FP8) are skipped there; 11 (8-bit AdamW) raises BenchError here (as
+    # without bitsandbytes) and is skipped with its message. Each ladder rung adds its change to the last that ran,
+    # each memory rung its own alone to rung 8; vs prev is over the rung it builds on, vs baseline over rung 1.
+    rows, ran, _ = stand_in_ladder(monkeypatch, '--compile=True', fail=lambda s: bench.BenchError(
+        'optimizer=adamw8bit needs bitsandbytes') if s['optimizer'] == 'adamw8bit' else None)
+    by = {r['rung']: r for r in rows}
+    assert [r['status'] for r in rows] == ['ok', 'skipped', 'skipped', 'ok', 'ok', 'skipped', 'ok', 'ok', 'ok',
+                                           'ok', 'skipped', 'skipped']
+    assert by[11]['reason'] == 'optimizer=adamw8bit needs bitsandbytes'
+    base = dict(bench.BASE)
+    want = {1: base}
+    want[4] = dict(want[1], attention='auto')
+    want[5] = dict(want[4], fused_qkv=True)
+    want[7] = dict(want[5], chunked_loss=True)
+    want[8] = dict(want[7], compile=True)
+    want.update({9: dict(want[8], checkpointing='full'), 10: dict(want[8], checkpointing='selective'),
+                 11: dict(want[8], optimizer='adamw8bit'), 12: dict(want[8], fp8=True)})
+    for i, settings in want.items():
+        assert by[i]['settings'] == settings, i
+    assert ran == [want[i] for i in (1, 4, 5, 7, 8, 9, 10, 11)]  # 12 is skipped before it runs
+    # rung 3, skipped on the CPU, is listed as the bf16 rung it would be (train.pick_dtype says float32 here)
+    assert by[3]['settings']['dtype'] == 'bfloat16' and by[3]['precision'] == 'bf16 autocast'
+    assert by[11]['precision'] == 'fp32, 8-bit AdamW' and by[12]['precision'] == 'fp32 + FP8 linears (tensorwise)'
+    builds_on = {1: None, 4: 1, 5: 4, 7: 5, 8: 7, 9: 8, 10: 8}
+    for i, b in builds_on.items():
+        r = by[i]
+        assert r['builds_on'] == (b and by[b]['name']), i
+        assert r['speedup_vs_baseline'] == pytest.approx(by[1]['ms_per_iter'] / r['ms_per_iter']), i
+        # rung 1 builds on nothing: 1.0x over itself
+        assert r['speedup_vs_prev'] == pytest.approx(by[b]['ms_per_iter'] / r['ms_per_iter'] if b else 1.0), i
+    for i in (2, 3, 6, 11, 12):
+        assert all(by[i][key] is None for key, _ in bench.COLUMNS.values()), i
+
+
+def test_the_fp16_rung_is_named_for_fp16(monkeypatch):
+    # Reference: the docstring's rung 3: fp16 + GradScaler where bf16 is not used (--dtype=float16 here), and the
+    # rungs after it keep that dtype
+    rows, ran, _ = stand_in_ladder(monkeypatch, '--dtype=float16')
+    by = {r['rung']: r for r in rows}
+    assert by[3]['status'] == 'ok' and by[3]['name'] == '+ fp16 autocast'
+    assert by[3]['precision'] == 'fp16 autocast + GradScaler' and by[3]['settings']['dtype'] == 'float16'
+    assert by[1]['name'] == 'fp32 eager' and by[1]['precision'] == 'fp32'
+    assert all(s['dtype'] == 'float16' for s in ran[1:]) and ran[0]['dtype'] == 'float32'
+
+
+def test_rungs_left_out_build_on_nothing_measured(monkeypatch):
+    # Reference: --rungs=1,4,9 over the whole ladder's settings. Rungs left out have no figures and build on nothing;
+    # rung 4 builds on rung 1 (2 and 3 are skipped on the CPU in any case); rung 9 builds on rung 7, which did not
+    # run, so it has no rung to compare with.
+    rows, ran, _ = stand_in_ladder(monkeypatch, '--rungs=1,4,9')
+    by = {r['rung']: r for r in rows}
+    for r in rows:
+        if r['rung'] in (1, 4, 9):
+            assert r['status'] == 'ok', r['rung']
+        else:
+            assert (r['status'], r['reason'], r['builds_on']) == ('not run', 'not in --rungs', None), r['rung']
+            assert all(r[key] is None for key, _ in bench.COLUMNS.values()), r['rung']
+    assert by[4]['builds_on'] == 'fp32 eager'
+    assert by[4]['speedup_vs_prev'] == pytest.approx(by[1]['ms_per_iter'] / by[4]['ms_per_iter'])
+    assert by[9]['builds_on'] is None and by[9]['speedup_vs_prev'] is None
+    assert by[9]['settings'] == {**bench.BASE, 'attention': 'auto', 'fused_qkv': True, 'chunked_loss': True,
+                                 'checkpointing': 'full'}
+
+
+def table_cells(md):
+    """The markdown table of bench.md: its header and its rows, each a list of cells."""
+    lines = [ln for ln in md.splitlines() if ln.startswith('| ')]
+    return [ln[2:-2].split(' | ') for ln in lines[0:1]][0], [ln[2:-2].split(' | ') for ln in lines[1:]]
+
+
+def test_table_cells_show_each_rows_figures(result):
+    # Reference: bench.json's rows, each figure read back from its cell within the rounding of the cell's
+    # decimals; on the CPU MFU and peak memory are n/a (no such figure there), a rung that did not run has '-'
+    report, out = result
+    header, cells = table_cells(open(out / 'bench.md').read())
+    columns = {'ms/iter': ('ms_per_iter', 0.05), 'tokens/s': ('tokens_per_sec', 0.5),
+               'activations MB': ('activation_mb', 0.005), 'opt. state MB': ('optimizer_state_mb', 0.005),
+               'vs baseline': ('speedup_vs_baseline', 0.005), 'vs prev': ('speedup_vs_prev', 0.005),
+               'loss': ('loss', 5e-6)}
+    assert header[:3] == ['#', 'rung', 'precision'] and header[-1] == 'note'
+    assert set(header[3:-1]) == {*columns, 'MFU', 'peak mem MB'}
+    assert len(cells) == len(report['rungs'])
+    for r, row in zip(report['rungs'], cells):
+        assert len(row) == len(header), row
+        cell = dict(zip(header, row))
+        assert (cell['#'], cell['rung'], cell['precision']) == (str(r['rung']), r['name'], r['precision'])
+        if r['status'] != 'ok':
+            assert all(cell[c] == '-' for c in header[3:-1]), row
+            assert cell['note'].startswith(f"{r['status']}: ") and r['reason'], row
+            continue
+        assert cell['MFU'] == 'n/a' and cell['peak mem MB'] == 'n/a' and cell['note'] == ''
+        for name, (key, tol) in columns.items():
+            assert abs(float(cell[name].rstrip('x').replace(',', '')) - r[key]) <= tol * 1.001, (r['name'], name)
+    assert report['rungs'][0]['speedup_vs_prev'] == 1.0 and cells[0][header.index('vs prev')] == '1.00x'
+
+
+def test_a_failed_rung_with_a_long_reason_keeps_the_table_whole(monkeypatch, tmp_path):
+    # Reference: the error as raised. A failing rung's reason keeps the error's text (up to 300 characters), and
+    # the table's note has no '|' or line break that would split its row; a rung that ran first counts as the
+    # baseline, not one that failed; a failed rung read the variants it ran with (compile mode here).
+    error = 'boom | with a pipe\nand a second line ' + 'x' * 100
+    rows, _, env = stand_in_ladder(monkeypatch, '--compile=True', '--compile_mode=max-autotune', fail=lambda s:
+                                   RuntimeError(error) if s['attention'] == 'math' or s['compile'] else None)
+    by = {r['rung']: r for r in rows}
+    assert by[1]['status'] == by[8]['status'] == 'failed' and by[4]['status'] == 'ok'
+    assert by[1]['reason'] == by[8]['reason'] == f'RuntimeError: {error}'
+    md = bench.markdown(rows, env.meta)
+    header, cells = table_cells(md)
+    assert [len(row) for row in cells] == [len(header)] * len(rows)
+    assert cells[0][-1].startswith('failed: RuntimeError: boom') and cells[0][-1].endswith('x' * 100)
+    assert 'vs baseline: over rung 4 (+ SDPA flash), the first that ran' in md
+    assert by[5]['speedup_vs_baseline'] == pytest.approx(by[4]['ms_per_iter'] / by[5]['ms_per_iter'])
+    assert 'compile mode max-autotune,' in md and 'max-autotune (read by no rung' not in md
+
+
+def test_the_report_counts_parameters_in_millions(result):
+    # Reference: 124,475,904 parameters (GPT-2's 124M) are 124.48M: a million is 10^6
+    report, _ = result
+    md = bench.markdown(report['rungs'], dict(report, params=124_475_904))
+    assert '; 124.48M parameters' in md
+
+
+def test_variants_line_marks_what_no_rung_that_ran_reads():
+    # Reference: which rungs read each variant, from the DEFAULTS comments: compile_mode the compiled rungs,
+    # sdpa_backend those not on the math kernel, loss_chunk_tokens the chunked-loss rungs, residual those under
+    # autocast; rope and stage_data every rung. A chunk as large as a micro-batch (batch_size x block_size tokens,
+    # whatever the accumulation) is one chunk.
+    meta = dict(batch_size=4, block_size=32, gradient_accumulation_steps=8, variants=dict(
+        compile_mode='default', sdpa_backend='auto', rope='flip', loss_chunk_tokens=128, residual='float32',
+        stage_data=True))
+    none = '(read by no rung that ran)'
+    line = bench.variants_line(meta, [bench.BASE])
+    assert line == (f'- variants: compile mode default {none}, SDPA backend auto {none}, RoPE flip, loss chunk 128 '
+                    f'tokens (one chunk: a micro-batch is 128 tokens) {none}, residual stream float32 {none}, '
+                    'data staged on the device (no loading)')
+    each = {'compile mode default': dict(compile=True), 'SDPA backend auto': dict(attention='auto'),
+            'loss chunk 128 tokens (one chunk: a micro-batch is 128 tokens)': dict(chunked_loss=True),
+            'residual stream float32': dict(dtype='bfloat16')}
+    for part, change in each.items():  # one rung that reads only this one
+        line = bench.variants_line(meta, [bench.BASE, {**bench.BASE, **change}])
+        assert f'{part},' in line or line.endswith(part), part
+        assert line.count(none) == 3, part
+    top = {**bench.BASE, 'dtype': 'bfloat16', 'attention': 'auto', 'chunked_loss': True, 'compile': True}
+    meta['variants'].update(loss_chunk_tokens=127, stage_data=False)
+    line = bench.variants_line(meta, [top])
+    assert none not in line and 'loss chunk 127 tokens,' in line and 'data loaded as train.py does' in line
+
+
+def test_why_skip_on_each_kind_of_device(monkeypatch):
+    # Reference: the docstring's ladder. On the CPU: TF32 and fused AdamW are CUDA only, bf16 off (pick_dtype) and FP8
+    # needs a GPU; --compile=False skips the compile rung. On a GPU (faked: env and capability): nothing skipped at
+    # capability 9.0 (H100) or 8.9 (L4, RTX 4090); FP8 alone at 8.0 (A100).
+    changes = {name: change for name, change in bench.LADDER + bench.MEMORY}
+
+    def skipped(capability=None, **env):
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
+        env = SimpleNamespace(**{'device': 'cpu', 'dtype': 'auto', 'mixed_reason': 'why', 'compile': True, **env})
+        return {name for name, change in changes.items() if bench.why_skip(change, env)}
+    assert skipped(device_type='cpu', mixed='float32') == {'+ TF32', '+ bf16 autocast', '+ fused AdamW',
+                                                          '+ FP8 linears'}
+    assert skipped(device_type='cpu', mixed='bfloat16', dtype='bfloat16', compile=False) == {
+        '+ TF32', '+ fused AdamW', '+ FP8 linears', '+ torch.compile'}
+    gpu = dict(device='cuda', device_type='cuda', mixed='bfloat16')
+    assert skipped((9, 0), **gpu) == skipped((8, 9), **gpu) == set()
+    assert skipped((8, 0), **gpu) == {'+ FP8 linears'}
+    assert skipped((7, 0), **{**gpu, 'mixed': 'float16'}) == {'+ FP8 linears'}  # a V100: fp16 + GradScaler
+
+
+def test_the_chart_draws_tokens_peak_and_activation_memory(monkeypatch, tmp_path):
+    # Reference: the rows' figures, as drawn: the three panels' bars (a figure that is n/a drawn as 0)
+    pytest.importorskip('matplotlib')
+    import matplotlib.axes
+    drawn, real_barh = [], matplotlib.axes.Axes.barh
+    monkeypatch.setattr(matplotlib.axes.Axes, 'barh', lambda self, names, values, **kw: drawn.append(
+        (list(names), list(values))) or real_barh(self, names, values, **kw))
+    rows, _, env = stand_in_ladder(monkeypatch)
+    bench.plot(rows, env.meta, str(tmp_path / 'bench.png'))
+    assert len(drawn) == 3 and all(len(names) == len(rows) for names, _ in drawn)
+    assert [values for _, values in drawn] == [[r[key] or 0 for r in rows] for key in (
+        'tokens_per_sec', 'peak_mem_mb', 'activation_mb')]
+    assert any(drawn[2][1]) and not any(drawn[1][1])  # activations measured on the CPU, peak memory n/a
+
+
 # ----------------------------------------------------------------------------------------------------
 # the step: presets against the training configs, a timed step as one optimizer step
 
@@ -513,6 +886,13 @@ def test_presets_take_the_model_and_step_of_their_training_config(preset, config
     assert bench.step_note(preset, tokens) == f'as in {config}'
     assert bench.step_note(preset, tokens // 4).startswith(f'NOT the {tokens:,} tokens per step of {config}')
     assert '4x what they weigh' in bench.step_note(preset, tokens // 4)
+
+
+def test_a_step_larger_than_the_configs_is_not_its_step():
+    # Reference: the docstring: config/train_gpt2.py's step is 16 x 1024 x 32 = 524,288 tokens. Twice as many is not
+    # that step either: per token, the optimizer step weighs half what it weighs there.
+    note = bench.step_note('gpt2', 2 * 524288)
+    assert note.startswith('NOT the 524,288 tokens per step of config/train_gpt2.py') and '0.5x what they weigh' in note
 
 
 def test_a_timed_step_is_one_optimizer_step_of_all_its_micro_batches(monkeypatch):
@@ -536,6 +916,80 @@ def test_a_timed_step_is_one_optimizer_step_of_all_its_micro_batches(monkeypatch
     assert calls == [3] * (2 + 2 * 2)  # warmup + repeats x steps optimizer steps, 3 micro-batches each
     assert len(forwards) == 3 * len(calls) + 1  # and the untimed micro-step that counts the activations
     assert row['tokens_per_sec'] == pytest.approx(4 * 32 * 3 / (row['ms_per_iter'] / 1000))
+
+
+def test_a_rungs_time_is_the_median_repeat_per_step(monkeypatch):
+    # Reference: a made-up clock that only the steps advance. Three repeats of two steps taking 0.2 + 0.4, 0.1 + 0.1
+    # and 0.9 + 0.7 s are 0.3, 0.1 and 0.8 s per step: the median is 300 ms (the mean would be 400, the least 100)
+    clock, durations = [0.0], iter([5.0, 0.2, 0.4, 0.1, 0.1, 0.9, 0.7])  # the warm-up step first
+    real_step = train.train_step
+
+    def train_step(*args):
+        out = real_step(*args)
+        clock[0] += next(durations)
+        return out
+    env = bench.setup([*TINY, '--warmup=1', '--steps=2', '--repeats=3'])
+    monkeypatch.setattr(train, 'train_step', train_step)
+    monkeypatch.setattr(bench, 'time', SimpleNamespace(perf_counter=lambda: clock[0]))
+    row = bench.run_rung(bench.BASE, env)
+    assert row['ms_per_iter'] == pytest.approx(300)
+    assert row['tokens_per_sec'] == pytest.approx(4 * 32 / 0.3)
+
+
+def test_each_precision_has_its_mfu_peak_and_only_fp16_scales_the_loss(monkeypatch):
+    # Reference: made-up GPU peaks of 1e12 FLOP/s for bf16, 2e12 for fp16 and 5e11 for TF32 (model.peak_flops:
+    # float32 is TF32's); MFU by hand, flops_per_token at block_size times tokens/s over the peak of the rung's
+    # matmuls, named as train.py names them. The GradScaler is for fp16 alone (the docstring's rung 3).
+    peaks = {'bfloat16': 1e12, 'float16': 2e12, 'float32': 5e11}
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': peaks[dtype])
+    scalers, real_scaler = [], torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, 'GradScaler', lambda device, enabled=True: scalers.append(enabled) or
+                        real_scaler(device, enabled=enabled))
+    env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=1'])
+    flops = GPT(env.config).flops_per_token()
+    for s, label in [({'tf32': True}, 'TF32'), ({'dtype': 'bfloat16'}, 'bf16'), ({'dtype': 'float16'}, 'fp16')]:
+        s = {**bench.BASE, **s}
+        row = bench.run_rung(s, env)
+        peak = peaks[s['dtype']]
+        assert row['mfu'] == pytest.approx(flops * row['tokens_per_sec'] / peak, rel=1e-9), label
+        assert row['mfu_peak'] == label
+    assert scalers == [False, False, True]
+
+
+def test_rungs_before_fused_qkv_run_separate_projections(monkeypatch):
+    # Reference: the attention modules' calls, counted: separate q, k, v projections (SeparateQKVAttention) until the
+    # fused QKV rung, model.py's fused attention from it on; 2 layers x (1 warm-up + 1 timed step + 1 counted)
+    calls, real_separate, real_fused = [], bench.SeparateQKVAttention.forward, CausalSelfAttention.forward
+    monkeypatch.setattr(bench.SeparateQKVAttention, 'forward', lambda self, *a, **k: calls.append('separate') or
+                        real_separate(self, *a, **k))
+    monkeypatch.setattr(CausalSelfAttention, 'forward', lambda self, *a, **k: calls.append('fused') or
+                        real_fused(self, *a, **k))
+    env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=1'])
+    for fused, want in ((False, 'separate'), (True, 'fused')):
+        calls.clear()
+        bench.run_rung({**bench.BASE, 'fused_qkv': fused}, env)
+        assert calls == [want] * (2 * 3), fused
+
+
+def test_memory_figures_are_in_mib(monkeypatch):
+    # Reference: a MB of the table is 2^20 bytes (as torch.cuda.max_memory_allocated / 2**20): the activation bytes
+    # as activation_bytes returned them, and AdamW's state by hand: two float32 moments per parameter and a
+    # float32 step count per parameter tensor (separate q, k, v: two more tensors per layer than the fused qkv)
+    counted, real = [], bench.activation_bytes
+
+    def activation_bytes(*args, **kwargs):
+        out = real(*args, **kwargs)
+        counted.append(out[1])
+        return out
+    monkeypatch.setattr(bench, 'activation_bytes', activation_bytes)
+    env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=1'])
+    model = GPT(env.config)
+    params, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    for fused, extra in ((False, 2 * env.config.n_layer), (True, 0)):
+        counted.clear()
+        row = bench.run_rung({**bench.BASE, 'fused_qkv': fused}, env)
+        assert len(counted) == 1 and row['activation_mb'] == counted[0] / 2**20
+        assert row['optimizer_state_mb'] == (8 * params + 4 * (tensors + extra)) / 2**20, fused
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,3 +1065,27 @@ def test_activation_bytes_counts_each_storage_once_and_no_weights():
     t, u = (TwoTensor(torch.randn(5, 3), torch.randn(5, 3), requires_grad=True) for _ in range(2))
     _, saved = bench.activation_bytes(layer, lambda: (t * u).sum())
     assert saved == 4 * 5 * 3 * 4  # both operands of the product, each a pair of (5, 3) tensors
+
+
+def test_activation_bytes_leaves_out_buffers_and_counts_prefer_save(monkeypatch):
+    # Reference: sizes by hand. A buffer saved for backward is the model's, not an activation (as a parameter);
+    # a selective checkpointing policy that prefers to save an op's output keeps it as one that must does.
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer('scale', torch.randn(6, 8))
+    module, x = Scaled(), torch.randn(6, 8, requires_grad=True)
+    _, saved = bench.activation_bytes(module, lambda: (x * module.scale).sum())  # saves the buffer only
+    assert saved == 0
+    _, saved = bench.activation_bytes(module, lambda: (x * module.scale.clone()).sum())  # a copy is an activation
+    assert saved == 4 * 6 * 8
+    must, _ = saved_bytes(2, 'selective')
+    policy, asked = model_module._selective_policy, []
+
+    def prefer(*args, **kwargs):
+        decision = policy(*args, **kwargs)
+        asked.append(decision)
+        return CheckpointPolicy.PREFER_SAVE if decision == CheckpointPolicy.MUST_SAVE else decision
+    monkeypatch.setattr(model_module, '_selective_policy', prefer)
+    preferred, _ = saved_bytes(2, 'selective')
+    assert CheckpointPolicy.MUST_SAVE in asked and preferred == must
