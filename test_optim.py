@@ -839,7 +839,7 @@ def test_first_iteration_of_main_is_one_plain_adamw_step(data, tmp_path):
     ('bfloat16_if_native', 'cpu', True, 'bfloat16'), ('bfloat16_if_native', 'cpu', False, 'float32'),
     ('bfloat16_if_native', 'cuda', True, 'bfloat16'), ('bfloat16_if_native', 'cuda', False, 'float32'),
     ('bfloat16_if_native', 'mps', True, 'float32'), ('bfloat16', 'cpu', False, 'bfloat16'),
-    ('float32', 'cuda', True, 'float32'),
+    ('float32', 'cuda', True, 'float32'), ('bfloat16', 'cpu', True, 'bfloat16'), ('float16', 'cpu', False, 'float16'),
 ])
 def test_precision_follows_the_device(monkeypatch, name, device, native, want):
     # Reference: the rule in the comment on train.py's dtype. 'auto' keeps the CPU in float32 (never a silent
@@ -1054,3 +1054,51 @@ def test_resume_is_bit_exact_with_the_speedrun_options(tmp_path, dtype):
     assert_same(ca['model'], cb['model'], 'model')
     assert_same(ca['optimizer'], cb['optimizer'], 'optimizer')
     assert not torch.equal(half['model']['blocks.0.attn.qkv.weight'], cb['model']['blocks.0.attn.qkv.weight'])
+
+
+# ----------------------------------------------------------------------------------------------------
+# the device, AdamW's kernels, and the schedule's edges
+
+
+@pytest.mark.parametrize('cuda, mps, want', [(True, True, 'cuda'), (False, True, 'mps'), (False, False, 'cpu')])
+def test_auto_device_is_cuda_then_mps_then_cpu_and_a_named_one_is_kept(monkeypatch, cuda, mps, want):
+    # Reference: the order in the comment on train.py's device ('auto': cuda, then mps, then cpu), with what the
+    # machine has faked; a device named in the config is the one used, whatever the machine has.
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: mps)
+    assert train.pick_device('auto') == want
+    for name in ('cpu', 'cuda', 'cuda:1', 'mps'):
+        assert train.pick_device(name) == name
+
+
+@pytest.mark.parametrize('name', ['adamw', 'muon'])
+def test_adamw_is_fused_on_cuda_and_torchs_default_elsewhere_or_when_asked(name):
+    # Reference: torch's own AdamW built with fused=True, and built with no kernel choice at all (torch's default:
+    # multi-tensor on CUDA), with the same lr and betas. configure_optimizer's AdamW (muon: the one for the
+    # embeddings and norms) must be the first on CUDA and the second on the CPU and wherever fused=False is asked
+    # for (bench.py's early rungs). torch builds a fused AdamW over CPU tensors too, so the CUDA case runs here.
+    cfg = opt_cfg(optimizer=name)
+    probe = [torch.zeros(2, requires_grad=True)]
+    fused = torch.optim.AdamW(probe, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True).defaults
+    default = torch.optim.AdamW(probe, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2)).defaults
+    for device, asked, want in (('cuda', None, fused), ('cpu', None, default), ('cuda', False, default)):
+        adamw = train.optimizers(train.configure_optimizer(tiny_model(), cfg, device, fused=asked))[-1]
+        assert type(adamw) is torch.optim.AdamW and adamw.defaults == want, (device, asked)
+
+
+@pytest.mark.parametrize('schedule', ['cosine', 'wsd'])
+def test_a_decay_that_ends_with_the_warmup_leaves_min_lr_from_there(schedule):
+    # Reference: the schedule by hand for lr_decay_iters = warmup_iters = 4 (a warmup, then min_lr): the warmup's
+    # (it + 1) / 5 of learning_rate at iterations 0 to 3, min_lr from iteration 4 on ("min_lr after"), never
+    # learning_rate itself.
+    cfg = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=4, lr_decay_iters=4, max_iters=20, lr_schedule=schedule)
+    assert [train.get_lr(it, cfg) for it in range(8)] == pytest.approx([0.2, 0.4, 0.6, 0.8] + [0.1] * 4, rel=1e-12)
+
+
+def test_a_wsd_decay_shorter_than_one_iteration_holds_learning_rate_to_lr_decay_iters():
+    # Reference: the WSD rule by hand where wsd_decay_frac of lr_decay_iters rounds to no iteration (0.01 of 10:
+    # a valid setting): learning_rate from the end of the warmup up to iteration 9, min_lr from lr_decay_iters (10).
+    cfg = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=10, max_iters=20, lr_schedule='wsd',
+                  wsd_decay_frac=0.01)
+    train.check_config(cfg)
+    assert [train.get_lr(it, cfg) for it in range(2, 14)] == [1.0] * 8 + [0.1] * 4

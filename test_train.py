@@ -644,6 +644,37 @@ def test_nonfinite_loss_skips_the_update():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_train_step_trains_on_the_label_smoothed_loss():
+    # Reference: a manual SGD step on the label-smoothed loss written out by hand ((1 - eps) * nll + eps *
+    # mean_c(-log p_c), from the model's logits), on the whole batch. train_step with label_smoothing in two
+    # micro-batches must return that loss and reach those weights. The head is scaled up so that the predictions
+    # are far from uniform (near uniform, smoothing changes little): the plain loss differs by far more than the
+    # tolerance, so a smoothing that does not reach the model fails.
+    eps, lr = 0.1, 0.5
+    x, y = random_batch(0, 4, 16, 32)
+
+    def confident_model():
+        model = tiny_model(tie_embeddings=False)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30)
+        return model
+    ref = confident_model()
+    logits, _ = ref(x)
+    logp = logits.log_softmax(dim=-1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    loss = ((1 - eps) * nll + eps * -logp.mean(dim=-1)).mean()
+    assert abs(loss.item() - nll.mean().item()) > 1e-2
+    loss.backward()
+    want = {n: (p - lr * p.grad).detach() for n, p in ref.named_parameters()}
+    model = confident_model()
+    got, _, ok = train_step(model, torch.optim.SGD(model.parameters(), lr=lr), NO_SCALER, FakeBatches(x, y, 2), 2,
+                            nullcontext(), 0.0, label_smoothing=eps)
+    assert ok
+    torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
 def test_tiny_model_overfits_one_batch():
     # Reference: ln(vocab_size), the loss of a uniform guess; memorizing one batch must go far below it.
     model = tiny_model(vocab_size=16, n_embd=64)
@@ -1678,6 +1709,57 @@ def test_whole_split_eval_windows_need_block_size_plus_one_tokens(extra, count):
     assert got == pytest.approx(windows_reference(model, tokens, T), rel=1e-6)
 
 
+class EvalRecorder(nn.Module):
+    """A stand-in for the model in estimate_loss: records each batch it is given, in eval mode, and returns a loss
+    of its own for each, the mean of the batch's input ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x, y):
+        assert not self.training
+        self.seen.append((x, y))
+        return None, x.double().mean()
+
+
+def test_sampled_eval_averages_eval_iters_batches_of_each_split_shared_among_processes():
+    # Reference: the mean, computed here, of the losses of the batches that the model was given, and the rules by
+    # hand: eval_iters (5) batches of batch_size windows for each split, each window block_size + 1 consecutive
+    # tokens of its own split (the tokens are their positions: train 0.., val 1000..), no batch twice, the same
+    # batches at every evaluation. Shared by 2 or 3 processes (no process group here, so each returns its own
+    # part), the parts add up to the one-process mean, and every process runs ceil(5 / world) forwards per split
+    # (under FSDP each is a collective): a process's batch counted twice, a filler given weight, or a mean over
+    # anything but eval_iters batches would not.
+    train_tokens, val_tokens = np.arange(500, dtype=np.uint16), np.arange(1000, 1400, dtype=np.uint16)
+    cfg = SimpleNamespace(eval_iters=5, batch_size=2, block_size=8, seed=3)
+    model = EvalRecorder()
+    splits = train.eval_splits(cfg, train_tokens, val_tokens, 'cpu', 0, 1)
+    got = train.estimate_loss(model, splits, nullcontext())
+    assert model.training and sorted(got) == ['train', 'val'] and len(model.seen) == 10
+    for i, (split, lo, hi) in enumerate([('train', 0, 500), ('val', 1000, 1400)]):
+        batches = model.seen[5 * i:5 * i + 5]
+        for x, y in batches:
+            assert x.shape == y.shape == (2, 8)
+            assert torch.equal(x[:, 1:], x[:, :-1] + 1) and torch.equal(y, x + 1)
+            assert x.min() >= lo and y.max() < hi
+        assert len({tuple(x[:, 0].tolist()) for x, _ in batches}) == 5
+        want = sum(x.double().mean().item() for x, _ in batches) / 5
+        assert got[split] == pytest.approx(want, rel=1e-6), split
+    again = EvalRecorder()
+    assert train.estimate_loss(again, splits, nullcontext()) == got
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(model.seen, again.seen))
+    for world in (2, 3):
+        parts = []
+        for rank in range(world):
+            model = EvalRecorder()
+            parts.append(train.estimate_loss(model, train.eval_splits(cfg, train_tokens, val_tokens, 'cpu', rank,
+                                                                      world), nullcontext()))
+            assert len(model.seen) == 2 * math.ceil(5 / world), (world, rank)
+        for split in got:
+            assert sum(part[split] for part in parts) == pytest.approx(got[split], rel=1e-6), (world, split)
+
+
 def test_get_lr_wsd_schedule():
     # Reference: the warmup-stable-decay formula written out: the same warmup as cosine, learning_rate until
     # the last wsd_decay_frac of lr_decay_iters, a straight line down to min_lr at lr_decay_iters, min_lr after.
@@ -1708,6 +1790,16 @@ def test_schedule_and_eval_keys_are_checked(tmp_path, flag, key):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize('key, value', [('wsd_decay_frac', 1.0), ('seed', 2**63 - 1), ('short_block_size', 512),
+                                        ('min_lr', 6e-4), ('dropout', 0.999), ('beta2', 0.999), ('rope_base', 1.5)])
+def test_values_at_the_edge_of_their_range_are_accepted(key, value):
+    # Reference: the ranges as documented (check_config's messages and the comments on the defaults), at their
+    # valid edges: wsd_decay_frac 1 (the decay takes all of lr_decay_iters), the largest seed, block_size (1024)
+    # halved, min_lr = learning_rate (6e-4: constant after warmup), just under 1, just over 1. (The zeros that mean
+    # something run in test_failures.py's test_valid_edge_values_still_run.)
+    train.check_config(SimpleNamespace(**{**train.DEFAULTS, key: value}))
+
+
 @pytest.fixture(scope='module')
 def speedrun_run(tmp_path_factory):
     """A run with eval_iters=0 and the speedrun's model options, timed from outside the process."""
@@ -1731,6 +1823,70 @@ def test_evaluates_at_the_end_and_at_iteration_0_only_with_eval_at_start(speedru
             assert train.main(flags + [f'--out_dir={out}', f'--eval_at_start={at_start}']) == 0
         assert [r['iter'] for r in read_metrics(out) if 'val_loss' in r] == want, at_start
         assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 6
+
+
+def test_best_pt_is_the_lowest_val_loss_and_the_done_line_names_it(speedrun_run, tmp_path, monkeypatch):
+    # Reference: scripted evaluations at 0, 2, 4 and 6 whose val losses (5.0, 4.0, 4.5, 4.25) are lowest at 2 while
+    # the train losses (5.5, 6.0, 3.0, 2.0) fall to the end: best.pt is iteration 2's, with best val loss 4.0, and
+    # the last line says so.
+    losses = iter([(5.5, 5.0), (6.0, 4.0), (3.0, 4.5), (2.0, 4.25)])
+    monkeypatch.setattr(train, 'estimate_loss', lambda model, splits, autocast: dict(zip(('train', 'val'),
+                                                                                        next(losses))))
+    out, printed = tmp_path / 'out', io.StringIO()
+    flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={out}', '--eval_interval=2',
+                           '--max_iters=6', '--log_interval=100']
+    with redirect_stdout(printed):
+        assert train.main(flags) == 0
+    best = torch.load(out / 'best.pt', weights_only=True)
+    assert best['iter_num'] == 2 and best['best_val_loss'] == 4.0
+    assert printed.getvalue().splitlines()[-1] == f"done: 6 iterations, best val loss 4.0000; checkpoints in {out}"
+
+
+def test_a_run_of_no_iterations_without_an_evaluation_still_writes_its_checkpoint(speedrun_run, tmp_path):
+    # Reference: the weights that train.py's seed gives the model, built here (as in test_resume_is_bitwise_identical):
+    # max_iters=0 with eval_at_start=False evaluates nothing, and still leaves ckpt.pt at iteration 0 holding them
+    # (a checkpoint of the starting weights, e.g. of a run started from a Hugging Face model).
+    out = tmp_path / 'out'
+    flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={out}', '--max_iters=0',
+                           '--eval_at_start=False']
+    with redirect_stdout(io.StringIO()):
+        assert train.main(flags) == 0
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 0 and not (out / 'best.pt').exists()
+    torch.manual_seed(train.DEFAULTS['seed'])
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    assert ckpt['model'].keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(ckpt['model'][k], v), k
+
+
+def test_report_states_the_runs_facts(speedrun_run, tmp_path, monkeypatch):
+    # Reference: the facts worked out here: the parameters and FLOPs per token of a model built here with the same
+    # shape (n_kv_head=0 resolved to n_head = 4, the vocabulary padded to 64), the characters of the text the data
+    # was prepared from, tokens per iteration = batch_size 4 x block_size 16 x gradient_accumulation_steps 3; on the
+    # CPU: TF32 off, the optimizer state in CPU memory once a step has run, AdamW not fused, and fused where
+    # configure_optimizer gives CUDA's (fused) AdamW, faked here over the CPU tensors.
+    shape = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=0, n_embd=96, dropout=0.1)
+    model = GPT(GPTConfig(**shape))
+    flags = TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', '--max_iters=0', '--n_embd=96',
+                           '--n_kv_head=0', '--gradient_accumulation_steps=3']
+
+    def report(out):
+        printed = io.StringIO()
+        with redirect_stdout(printed):
+            assert train.main(flags + [f'--out_dir={out}']) == 0
+        return printed.getvalue()
+    text = report(tmp_path / 'a')
+    params = sum(p.numel() for p in model.parameters())
+    assert (f"model: {params / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per token, vocab 64 "
+            f"(char, {len(set(TEXT))} used), 192 tokens per iteration\n") in text
+    assert re.search(r'^  n_kv_head +=  ?4$', text, re.M) and re.search(r'^  vocab_size +=  ?64$', text, re.M)
+    assert '\n  TF32 matmuls      off (CUDA only)\n' in text
+    assert '\n  optimizer         adamw\n' in text
+    assert '\n  optimizer state   CPU memory, from the first step\n' in text
+    real = train.configure_optimizer
+    monkeypatch.setattr(train, 'configure_optimizer', lambda model, cfg, device_type: real(model, cfg, 'cuda'))
+    assert '\n  optimizer         adamw, fused AdamW\n' in report(tmp_path / 'b')
 
 
 def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
@@ -1804,6 +1960,61 @@ def test_time_left_and_mfu_of_a_log_line_by_a_fake_clock(speedrun_run, tmp_path,
     mfu = {r['iter']: r['mfu'] for r in read_metrics(out) if 'mfu' in r}
     step_flops = {3: [flops(4), flops(4), flops(8)], 6: [flops(16)] * 2, 9: [flops(16)]}
     assert mfu == pytest.approx({k: 64 * sum(f) / (2.0 * len(f)) / 1e9 for k, f in step_flops.items()}, rel=1e-9)
+
+
+def test_mfu_under_torchrun_is_per_process(speedrun_run, tmp_path):
+    # Reference: MFU by hand for 2 processes under torchrun (gloo, on the CPU) with a faked peak of 1e9 FLOP/s. The
+    # logged tokens/s counts the tokens of both (batch 4 x block 16 x 2 micro-batches per step in all) and each
+    # process does half of them, so the MFU of a process (of its GPU) is FLOPs per token (of a model built here with
+    # the run's shape) x tokens/s / 2 / peak. A subprocess: in-process tests have no process group.
+    script = tmp_path / 'fake_peak.py'
+    script.write_text(f"import sys\nsys.path.insert(0, {HERE!r})\nimport model\n"
+                      "model.peak_flops = lambda device, dtype='bfloat16': 1e9\n"
+                      "import train\nsys.exit(train.main(sys.argv[1:]))\n")
+    out = tmp_path / 'out'
+    flags = [f for f in TRAIN_FLAGS if not f.startswith('--dropout')] + [
+        f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={out}', '--max_iters=2', '--eval_iters=2',
+        '--gradient_accumulation_steps=2']
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           str(script), *flags], cwd=HERE, capture_output=True, text=True, timeout=300,
+                          env=SUBPROCESS_ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    model = GPT(GPTConfig(**torch.load(out / 'ckpt.pt', weights_only=True)['model_args']))
+    records = [r for r in read_metrics(out) if 'loss' in r]
+    assert [r['iter'] for r in records] == [1, 2]
+    for r in records:
+        assert r['mfu'] == pytest.approx(model.flops_per_token(16) * r['tokens_per_sec'] / 2 / 1e9, rel=1e-9)
+
+
+def test_evals_left_counts_the_evaluations_still_to_come():
+    # Reference: the evaluations counted one by one: at a log line after iteration `it`, those at iterations it to
+    # max_iters that are multiples of eval_interval, and the one at max_iters (the one at `it` itself runs before
+    # its step, so it is still to come).
+    for max_iters in range(1, 25):
+        for interval in range(1, 8):
+            cfg = SimpleNamespace(max_iters=max_iters, eval_interval=interval)
+            for it in range(1, max_iters + 1):
+                want = sum(1 for e in range(it, max_iters + 1) if e % interval == 0 or e == max_iters)
+                assert train.evals_left(it, cfg) == want, (max_iters, interval, it)
+
+
+def test_peak_memory_is_the_process_peak_in_mib(monkeypatch):
+    # Reference: on the CPU, the kernel's own count of this process's peak resident memory, VmHWM in
+    # /proc/self/status (kB), read before and after; on CUDA, the peak of torch's allocator, not what it holds now
+    # (both faked here: 3 GiB at the peak, 1 GiB now).
+    if not os.path.exists('/proc/self/status'):
+        pytest.skip('no /proc/self/status (not Linux)')
+
+    def vm_hwm_mib():
+        with open('/proc/self/status') as f:
+            return next(int(line.split()[1]) for line in f if line.startswith('VmHWM:')) / 1024
+    before = vm_hwm_mib()
+    got = train.peak_memory_mb('cpu')
+    after = vm_hwm_mib()
+    assert before * 0.99 <= got <= after * 1.01, (before, got, after)
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda *a, **k: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda *a, **k: 2**30)
+    assert train.peak_memory_mb('cuda') == 3 * 1024
 
 
 def test_start_time_is_taken_before_the_heavy_imports():
