@@ -1784,9 +1784,10 @@ def test_get_lr_wsd_schedule():
                                        ('--eval_iters=-1', 'eval_iters'),
                                        ('--short_block_size=256 --block_size=768', 'short_block_size')])  # 3x
 def test_schedule_and_eval_keys_are_checked(tmp_path, flag, key):
-    # Reference: the key named in a one-line error, before any file is written.
+    # Reference: the key named in a one-line error, before any file is written. (A data_dir that does not exist: a
+    # missing check fails at once, on the data, instead of training the default model.)
     with pytest.raises(ConfigError, match=key):
-        train.main([*flag.split(), f'--out_dir={tmp_path}'])
+        train.main([*flag.split(), f'--out_dir={tmp_path}', f'--data_dir={tmp_path / "no-data"}'])
     assert not os.listdir(tmp_path)
 
 
