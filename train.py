@@ -528,8 +528,8 @@ def configure_optimizer(model, cfg, device_type, fused=None):
     bitsandbytes' 8-bit AdamW (about 2 bytes per parameter; small tensors stay 32-bit, as bitsandbytes
     decides; paged state lives in CUDA managed memory). muon: Muon (see the class) on the blocks' matrices,
     AdamW on everything else (embeddings, head, norms, x0_scale); muon_split orthogonalizes the parts of the
-    fused matrices separately. fused=False asks for torch's
-    default AdamW kernels (multi-tensor on CUDA) instead of the fused one, as bench.py's early rungs do.
+    fused matrices separately. fused=False asks for torch's default AdamW kernels (multi-tensor on CUDA) instead
+    of the fused one, as bench.py's early rungs do.
     """
     fused = (device_type == 'cuda') if fused is None else fused
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
