@@ -502,6 +502,43 @@ def test_compile_warms_up_every_window_still_ahead(monkeypatch, iter_num, max_it
     assert compiled is model and model.shapes == want and note.startswith('on')
 
 
+@pytest.mark.parametrize('batch_size, short_block_size', [(1, 0), (1, 4), (3, 0), (3, 4)])
+def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, short_block_size):
+    # Reference: Dynamo itself, which compiles a graph whenever a call fails the guards of those it has (a shape, a
+    # stride, grad mode). A run's compiles all belong in compile_model's warm-up, none in the training steps and
+    # evaluations after it (in the timed figures). A batch of one once failed this: the warm-up reshaped it to
+    # (1, block_size), which changed its row stride, and the first step compiled again.
+    graphs, at_warm_up = [], []
+
+    def counting_compile(module, mode=None):
+        def backend(gm, example_inputs):  # Dynamo's graph as it is, run eagerly: no code generation
+            graphs.append(gm)
+            return gm.forward
+        return real_compile(module, backend=backend)
+
+    def warm_up(r):
+        out = real_warm_up(r)
+        at_warm_up.append(len(graphs))
+        return out
+    real_compile, real_warm_up = torch.compile, train.compile_model
+    monkeypatch.setattr(torch, 'compile', counting_compile)
+    monkeypatch.setattr(train, 'compile_model', warm_up)
+    data = write_data(tmp_path / 'data')
+    argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
+            f'--batch_size={batch_size}', f'--short_block_size={short_block_size}', '--short_block_iters=4',
+            '--max_iters=8', '--eval_interval=4', '--eval_iters=2', '--compile=True', f'--data_dir={data}',
+            f'--out_dir={tmp_path / "o"}']
+    torch._dynamo.reset()
+    try:
+        code, out = main_capture(argv)
+    finally:
+        torch._dynamo.reset()
+    assert code == 0 and 'compile           on' in out
+    # block_size, evaluation and, with windows, one graph for both (4 and 8): Dynamo makes the length dynamic at
+    # the second shape it sees
+    assert at_warm_up == [len(graphs)] and len(graphs) == (3 if short_block_size else 2)
+
+
 class Raising:
     """A compiled model whose first call raises `error`."""
 

@@ -19,7 +19,7 @@ that has no effect in this run is named). Features, each findable by name:
   TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
   random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched; the first
-  short_block_iters steps can train on shorter windows, growing to block_size (window_at).
+  short_block_iters steps can train on shorter windows, growing to block_size (window_at, in_windows).
 - train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
   non-finite losses and gradients away from the weights (max_nonfinite_steps in a row stop the run; weights
   that are not finite are never saved: weights_finite).
@@ -398,6 +398,15 @@ def window_at(it, cfg):
     return cfg.short_block_size << (it * doublings // cfg.short_block_iters)
 
 
+def in_windows(x, y, window):
+    """A (B, T) micro-batch as (B * T / window, window): the same tokens, less context. At the full length it is
+    left as it is: a reshape there can change the strides (those of a batch of one), and with them the graph
+    torch.compile traced, which then compiles again."""
+    if not window or window == x.size(1):
+        return x, y
+    return x.reshape(-1, window), y.reshape(-1, window)
+
+
 def get_lr(it, cfg):
     """Linear warmup for warmup_iters, a decay to min_lr at lr_decay_iters, min_lr after. The decay is
     lr_schedule's: 'cosine' from the end of warmup; 'wsd' (warmup-stable-decay, Hägele et al. 2024,
@@ -724,9 +733,7 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     """
     loss_sum = 0.0
     for micro in range(accum_steps):
-        x, y = batches.next()
-        if window and window != x.size(1):
-            x, y = x.reshape(-1, window), y.reshape(-1, window)
+        x, y = in_windows(*batches.next(), window)
         with grad_sync(micro == accum_steps - 1):
             with autocast:
                 _, loss = model(x, y, label_smoothing=label_smoothing)
@@ -1383,8 +1390,7 @@ def compile_model(r):
             x, y = r.batches.next_batch  # a real batch (same shapes and strides), not consumed
             for window in [x.size(1)] + sorted(windows - {x.size(1)}):  # block_size first
                 with r.autocast:
-                    compiled(x.reshape(-1, window), y.reshape(-1, window),
-                             label_smoothing=cfg.label_smoothing)[1].backward()
+                    compiled(*in_windows(x, y, window), label_smoothing=cfg.label_smoothing)[1].backward()
             compiled.eval()
             with torch.no_grad(), r.autocast:
                 compiled(x, y)
