@@ -6,8 +6,10 @@ a checkpoint written with 8 visible GPUs restored with 1; every parameter of tor
 taking the scheduled learning rate after a resume; a resumed paged_adamw8bit keeping its state in (fake)
 paged buffers, without leaking the buffers of a phantom step; DDP + compile + activation checkpointing
 turning Dynamo's DDP graph splitting off; an out-of-memory error in the compile warm-up stopping the run
-with advice instead of falling back to eager; the peak FLOP/s of each GPU, by the name CUDA reports.
-Each is checked against a reference: the uninterrupted run, the state saved, datasheet figures.
+with advice instead of falling back to eager; no graph compiled after the compile warm-up (a batch of one
+included); the peak FLOP/s of each GPU, by the name CUDA reports; one read of a device value per optimizer
+step, none per micro-step. Each is checked against a reference: the uninterrupted run, the state saved,
+Dynamo's own compiles, datasheet figures, the ops that make the host wait.
 
 Part 2 needs a CUDA GPU (skipped without one): a small real model (4 layers x 256 wide, block 256) trained for
 24 iterations in each branch (bf16 with fused AdamW, fp16 with a GradScaler, compile default and
@@ -45,6 +47,7 @@ import torch  # noqa: E402
 # later compiled run then asked for a device of the fake's (seen once under pytest -n 8 on an H100: 'Device index
 # value 2 is out of index range [0, 1)', and compile fell back to eager). Imported here, it holds the real ones.
 import torch._dynamo.device_interface  # noqa: E402,F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import model as model_module  # noqa: E402
 import train  # noqa: E402
@@ -716,6 +719,64 @@ def test_mfu_is_logged_with_the_peak_it_is_against(tmp_path, monkeypatch, short,
     for record, window in zip(records, windows):
         want = model.flops_per_token(window) * record['tokens_per_sec'] / peak
         assert record['mfu'] == pytest.approx(want, rel=1e-12), record['iter']
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. the host waits for the GPU once per optimizer step
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device: reading a tensor's value on the host (.item(),
+    bool(), float(): _local_scalar_dense), and those whose output size depends on the values (nonzero, boolean-mask
+    indexing). On the CPU they cost nothing, so nothing else shows them there. Not while `paused` is set."""
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+    INDEX = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masks = func in self.INDEX and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if not self.paused and (func in self.READS or masks):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('setting', ['adamw', 'label_smoothing', 'grad_clip=0', 'bf16', 'checkpointing', 'muon'])
+def test_a_step_reads_one_value_from_the_device(setting):
+    # Reference: train_step's promise, one host-device sync per optimizer step (whether the step was finite, which
+    # decides if the optimizer steps), none per micro-step: a GPU keeps its queue of kernels full only if the
+    # host never waits for it in between. Counted over 3 steps of 3 micro-batches of a model whose loss runs in
+    # 4 chunks (label smoothing: its second branch), in each setting that changes the step's code. AdamW's own
+    # step is left out: torch's reads its step counters with .item(), tensors that stay on the host on a GPU too,
+    # and fused AdamW (train.py's on CUDA) reads none.
+    model = tiny_model()
+    model.loss_chunk_tokens = 16  # 4 x 16 tokens per micro-batch
+    model.activation_checkpointing = 'full' if setting == 'checkpointing' else 'none'
+    cfg = opt_cfg(optimizer='muon' if setting == 'muon' else 'adamw')
+    optimizer = train.configure_optimizer(model, cfg, 'cpu')
+    counter = HostReads()
+
+    def paused(step):
+        def run(*args, **kwargs):
+            counter.paused = True
+            try:
+                return step(*args, **kwargs)
+            finally:
+                counter.paused = False
+        return run
+    for o in train.optimizers(optimizer):  # Muon's own step (Newton-Schulz) is counted
+        if isinstance(o, torch.optim.AdamW):
+            o.step = paused(o.step)
+    autocast = torch.autocast('cpu', dtype=torch.bfloat16) if setting == 'bf16' else contextlib.nullcontext()
+    with counter:
+        for _ in range(3):
+            _, _, ok = train.train_step(model, optimizer, NO_SCALER, batches(1)[0], 3, autocast,
+                                        0.0 if setting == 'grad_clip=0' else 1.0,
+                                        0.1 if setting == 'label_smoothing' else 0.0)
+            assert ok
+    assert counter.reads == ['aten._local_scalar_dense.default'] * 3
 
 
 # ====================================================================================================
