@@ -18,7 +18,8 @@ reference, FP8 tensorwise and rowwise under compile, activation checkpointing fu
 compile) and resumed from its iteration-12 checkpoint: the loss falls, the resumed run repeats the
 uninterrupted one, compile made no graph break, peak memory is reported. Also: one process under torchrun
 matches the plain run, 2-process DDP with compile and activation checkpointing stays compiled, sample.py
-samples from an FP8-trained checkpoint. On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
+samples from an FP8-trained checkpoint, a step waits for the GPU once (CUDA's sync debug mode; not run on a
+GPU yet). On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
 runs share the GPU), before the CPU-only offload test and the import of Dynamo's device interface above. It
 prints a summary table and, when $OUT is set, writes it to $OUT/test_cuda_summary.md (one file per xdist
 worker).
@@ -33,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 
 # cuBLAS is deterministic only with a fixed workspace, set before CUDA starts (Part 2 runs deterministic)
@@ -1005,3 +1007,34 @@ def test_ddp_compile_with_activation_checkpointing_stays_compiled(tmp_path):
     assert 'parallelism       DDP, 2 processes' in out
     assert 'compile           on (mode default), one graph under DDP (optimize_ddp off' in out, out[-4000:]
     assert 'UNCOMPILED' not in out and 'done: 3 iterations' in out
+
+
+@gpu
+@pytest.mark.parametrize('setting', ['adamw', 'label_smoothing', 'muon'])
+def test_a_cuda_step_synchronizes_once(setting):
+    # Reference: CUDA's own count of the calls that wait for the GPU (torch.cuda.set_sync_debug_mode warns at each),
+    # over 3 steps of 3 micro-batches under bf16 autocast, after one step that creates the optimizer's state: one
+    # per step, whether the step was finite. The CPU test above counts the ops that would; this one also sees
+    # fused AdamW's step and the copies.
+    model = tiny_model().cuda()
+    model.loss_chunk_tokens = 16  # 4 x 16 tokens per micro-batch: 4 chunks
+    optimizer = train.configure_optimizer(model, opt_cfg(optimizer='muon' if setting == 'muon' else 'adamw'), 'cuda')
+    x, y = (t.cuda() for t in batches(1)[0].next())
+    micro = SimpleNamespace(next=lambda: (x, y))
+    scaler = torch.amp.GradScaler('cuda', enabled=False)
+    smoothing = 0.1 if setting == 'label_smoothing' else 0.0
+
+    def step():
+        return train.train_step(model, optimizer, scaler, micro, 3, torch.autocast('cuda', dtype=torch.bfloat16),
+                                1.0, smoothing)[2]
+    assert step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        try:
+            oks = [step() for _ in range(3)]
+        finally:
+            torch.cuda.set_sync_debug_mode('default')
+    syncs = [str(w.message) for w in caught if 'synchroniz' in str(w.message)]
+    assert oks == [True] * 3 and len(syncs) == 3, syncs
