@@ -460,7 +460,8 @@ def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', c
                                     **cfg), iter_num=iter_num,
                         world=world, model=model, wrapped=model, device='cpu', device_type='cpu',
                         optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
-                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext())
+                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
+                        eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})
     # NOTE: Dynamo's config, not monkeypatch: monkeypatch's undo would delete the key from Dynamo's config
     with torch._dynamo.config.patch(optimize_ddp=True):  # the default, restored after
         return seen, train.compile_model(r)
@@ -507,12 +508,16 @@ def test_compile_warms_up_every_window_still_ahead(monkeypatch, iter_num, max_it
     assert compiled is model and model.shapes == want and note.startswith('on')
 
 
-@pytest.mark.parametrize('batch_size, short_block_size', [(1, 0), (1, 4), (3, 0), (3, 4)])
-def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, short_block_size):
+@pytest.mark.parametrize('batch_size, short_block_size, eval_iters, want', [
+    (1, 0, 2, 2), (1, 4, 2, 3), (3, 0, 2, 2), (3, 4, 2, 3),
+    (1, 0, 0, 2), (3, 0, 0, 3)])  # every window of the val split: 28, the last of 10 batches of 3 holds one
+def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, short_block_size, eval_iters, want):
     # Reference: Dynamo itself, which compiles a graph whenever a call fails the guards of those it has (a shape, a
     # stride, grad mode). A run's compiles all belong in compile_model's warm-up, none in the training steps and
-    # evaluations after it (in the timed figures). A batch of one once failed this: the warm-up reshaped it to
-    # (1, block_size), which changed its row stride, and the first step compiled again.
+    # evaluations after it (in the timed figures; a failure there would stop the run instead of falling back to
+    # eager). Both once failed this: the warm-up reshaped a batch of one to (1, block_size), another row stride,
+    # so the first step compiled again; it evaluated on a training batch, whose stride the whole split's windows
+    # (eval_iters=0) do not share, nor its last batch's size.
     graphs, at_warm_up = [], []
 
     def counting_compile(module, mode=None):
@@ -531,7 +536,7 @@ def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, s
     data = write_data(tmp_path / 'data')
     argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
             f'--batch_size={batch_size}', f'--short_block_size={short_block_size}', '--short_block_iters=4',
-            '--max_iters=8', '--eval_interval=4', '--eval_iters=2', '--compile=True', f'--data_dir={data}',
+            '--max_iters=8', '--eval_interval=4', f'--eval_iters={eval_iters}', '--compile=True', f'--data_dir={data}',
             f'--out_dir={tmp_path / "o"}']
     torch._dynamo.reset()
     try:
@@ -540,8 +545,8 @@ def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, s
         torch._dynamo.reset()
     assert code == 0 and 'compile           on' in out
     # block_size, evaluation and, with windows, one graph for both (4 and 8): Dynamo makes the length dynamic at
-    # the second shape it sees
-    assert at_warm_up == [len(graphs)] and len(graphs) == (3 if short_block_size else 2)
+    # the second shape it sees; with a last batch of another size, a second one for evaluation
+    assert at_warm_up == [len(graphs)] and len(graphs) == want
 
 
 class Raising:
@@ -631,7 +636,8 @@ def test_compile_warm_up_leaves_no_trace(monkeypatch, capsys, fails):
     x, y = batches(1)[0].next()
     r = SimpleNamespace(cfg=opt_cfg(compile=True), iter_num=0, world=1, model=model, wrapped=model, device='cpu',
                         device_type='cpu', optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
-                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext())
+                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
+                        eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     compiled, note = train.compile_model(r)

@@ -27,9 +27,10 @@ that has no effect in this run is named). Features, each findable by name:
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
   muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
-- activation checkpointing (full or selective), torch.compile (every window shape compiled before training;
-  loud fallback to eager if it fails, a stop with advice if it runs out of memory), periodic eval (also at
-  iteration 0: eval_at_start; eval_iters=0: the whole val split, Windows).
+- activation checkpointing (full or selective), torch.compile (every shape of a step or an evaluation
+  compiled before training: in_windows, eval_warm_up; loud fallback to eager if it fails, a stop with advice
+  if it runs out of memory), periodic eval (also at iteration 0: eval_at_start; eval_iters=0: the whole val
+  split, Windows).
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
@@ -384,6 +385,16 @@ def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
         return {'val': Windows(val_tokens, cfg.batch_size, cfg.block_size, device, rank, world)}
     return {split: Batches(tokens, cfg.batch_size, cfg.block_size, device, cfg.seed + i, cfg.eval_iters, rank, world)
             for i, (split, tokens) in enumerate([('train', train_tokens), ('val', val_tokens)], start=1)}
+
+
+def eval_warm_up(splits):
+    """A batch of each shape and layout the evaluations call the model with, for compile_model to compile before
+    training: each split's first and, for Windows, its last, which can hold fewer windows. As many on every
+    process (under FSDP each forward is a collective)."""
+    for batches in splits.values():
+        yield next(batches.eval_batches())[:2]
+        if isinstance(batches, Windows):
+            yield batches.batch(batches.n_batches - 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1369,8 +1380,9 @@ def start_from_hf(r):
 
 
 def compile_model(r):
-    """torch.compile the wrapped model and compile it now, on a real batch, so that a failure shows before
-    training: it is reported loudly and the run goes on eager. Running out of memory is not a compile failure:
+    """torch.compile the wrapped model and compile it now, on real batches of every shape that training and
+    evaluation will call it with, so that a failure shows before training and no step's time holds a compile: it
+    is reported loudly and the run goes on eager. Running out of memory is not a compile failure:
     it stops the run with advice, and never falls back. Returns (the model to call, a note)."""
     cfg = r.cfg
     if not cfg.compile:
@@ -1393,7 +1405,8 @@ def compile_model(r):
                     compiled(*in_windows(x, y, window), label_smoothing=cfg.label_smoothing)[1].backward()
             compiled.eval()
             with torch.no_grad(), r.autocast:
-                compiled(x, y)
+                for batch in eval_warm_up(r.eval_splits):  # their strides are not the training batches' (Windows)
+                    compiled(*batch)
             compiled.train()
         r.optimizer.zero_grad(set_to_none=True)
         return compiled, note
