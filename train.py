@@ -388,9 +388,9 @@ def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
 
 
 def eval_warm_up(splits):
-    """A batch of each shape and layout the evaluations call the model with, for compile_model to compile before
-    training: each split's first and, for Windows, its last, which can hold fewer windows. As many on every
-    process (under FSDP each forward is a collective)."""
+    """A batch of each shape and layout this process's evaluations call the model with, for compile_model to
+    compile before training: its first batch of each split and, for Windows, the split's last, which can hold
+    fewer windows. As many on every process (under FSDP each forward is a collective)."""
     for batches in splits.values():
         yield next(batches.eval_batches())[:2]
         if isinstance(batches, Windows):
@@ -411,8 +411,8 @@ def window_at(it, cfg):
 
 def in_windows(x, y, window):
     """A (B, T) micro-batch as (B * T / window, window): the same tokens, less context. At the full length it is
-    left as it is: a reshape there can change the strides (those of a batch of one), and with them the graph
-    torch.compile traced, which then compiles again."""
+    left as it is: a reshape there can change its strides (a batch of one's), which then fail the guards of the
+    graph compiled for it, and Dynamo compiles another."""
     if not window or window == x.size(1):
         return x, y
     return x.reshape(-1, window), y.reshape(-1, window)
@@ -740,7 +740,8 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     gradient norm before clipping, as tensors, and whether the step reached the weights. A non-finite
     loss or gradient norm skips the update (with fp16, the GradScaler also skips overflowing steps).
     grad_sync(last) is the context of each micro-step: under DDP/FSDP it all-reduces gradients on the
-    last one only. NOTE: `ok` costs one host-device sync per optimizer step, none per micro-step.
+    last one only. NOTE: `ok` costs one host-device sync per optimizer step, none per micro-step (fp16's
+    GradScaler adds three after the micro-steps: its scale twice, its found-inf flag).
     """
     loss_sum = 0.0
     for micro in range(accum_steps):
