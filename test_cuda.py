@@ -444,6 +444,17 @@ def test_paged_resume_of_a_state_that_does_not_fit_is_an_error(fake_pager):
 # ----------------------------------------------------------------------------------------------------
 # 4, 5. compile: DDP with activation checkpointing; out of memory in the warm-up
 
+def warm_up_run(model, iter_num=0, world=1, **cfg):
+    """What train.compile_model reads of a run: `model` on the CPU, compile on, one real batch for the training
+    call and the evaluation."""
+    x, y = batches(1)[0].next()
+    return SimpleNamespace(cfg=opt_cfg(compile=True, **cfg), iter_num=iter_num, world=world, model=model,
+                           wrapped=model, device='cpu', device_type='cpu',
+                           optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
+                           batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
+                           eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})
+
+
 def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', compiled=None, iter_num=0, **cfg):
     """train.compile_model on a tiny model with torch.compile replaced: it records Dynamo's optimize_ddp at
     the time of the call and returns `compiled` (default: the module itself, run eagerly)."""
@@ -455,13 +466,7 @@ def compile_run(monkeypatch, world=1, parallelism='ddp', checkpointing='none', c
     monkeypatch.setattr(torch, 'compile', fake_compile)
     model = tiny_model()
     model.activation_checkpointing = checkpointing
-    x, y = batches(1)[0].next()
-    r = SimpleNamespace(cfg=opt_cfg(compile=True, activation_checkpointing=checkpointing, parallelism=parallelism,
-                                    **cfg), iter_num=iter_num,
-                        world=world, model=model, wrapped=model, device='cpu', device_type='cpu',
-                        optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
-                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
-                        eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})
+    r = warm_up_run(model, iter_num, world, activation_checkpointing=checkpointing, parallelism=parallelism, **cfg)
     # NOTE: Dynamo's config, not monkeypatch: monkeypatch's undo would delete the key from Dynamo's config
     with torch._dynamo.config.patch(optimize_ddp=True):  # the default, restored after
         return seen, train.compile_model(r)
@@ -631,11 +636,7 @@ def test_compile_warm_up_leaves_no_trace(monkeypatch, capsys, fails):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64, dropout=0.2))
     monkeypatch.setattr(torch, 'compile', lambda module, mode=None: FailsInEval(module) if fails else module)
-    x, y = batches(1)[0].next()
-    r = SimpleNamespace(cfg=opt_cfg(compile=True), iter_num=0, world=1, model=model, wrapped=model, device='cpu',
-                        device_type='cpu', optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
-                        batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
-                        eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})
+    r = warm_up_run(model)
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     compiled, note = train.compile_model(r)

@@ -1382,9 +1382,9 @@ def start_from_hf(r):
 
 def compile_model(r):
     """torch.compile the wrapped model and compile it now, on real batches of every shape that training and
-    evaluation will call it with, so that a failure shows before training and no step's time holds a compile: it
-    is reported loudly and the run goes on eager. Running out of memory is not a compile failure:
-    it stops the run with advice, and never falls back. Returns (the model to call, a note)."""
+    evaluation will call it with, so that no step's time holds a compile and a failure shows before training. A
+    failure is reported loudly and the run goes on eager. Running out of memory is not a compile failure: it
+    stops the run with advice, and never falls back. Returns (the model to call, a note)."""
     cfg = r.cfg
     if not cfg.compile:
         return r.wrapped, 'off'
