@@ -704,8 +704,9 @@ def step_note(preset, tokens_per_iter):
             f"per-step sync weigh {tokens / tokens_per_iter:.3g}x what they weigh in that run")
 
 
-def setup(argv):
-    """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
+def read_args(argv):
+    """The settings of argv (config files, then --key=value flags) over DEFAULTS, checked as far as they can be
+    without the device: each choice among its own, the rungs parsed and in range, counts in range."""
     a = configure(DEFAULTS, argv, __file__)
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
                'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': train.CHOICES['fp8_recipe'],
@@ -723,14 +724,22 @@ def setup(argv):
         raise ConfigError(f"rungs={a['rungs']!r}: expected rung numbers separated by commas, e.g. '1,8,12'") from None
     if any(not 1 <= r <= total for r in a['rungs']):
         raise ConfigError(f"rungs={a['rungs']}: the ladder's rungs are numbered 1 to {total}")
+    if a['threads'] < 0:
+        raise ConfigError(f"threads={a['threads']}: must be at least 0 (0: torch's default)")
+    if a['loss_chunk_tokens'] < -1:
+        raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
+    return a
+
+
+def setup(argv):
+    """The resolved settings, the data, the initial weights and the conditions to record, as one namespace."""
+    a = read_args(argv)
     train.check_device(a['device'])
     a['device'] = train.pick_device(a['device'])
     device_type = torch.device(a['device']).type
     if a['mode'] == 'fit' and device_type != 'cuda':
         raise BenchError(f"--mode=fit needs a CUDA GPU: it raises the micro-batch until GPU memory runs out. This "
                          f"run is on {device_type}, whose RAM it does not probe; set batch_size by hand there")
-    if a['threads'] < 0:
-        raise ConfigError(f"threads={a['threads']}: must be at least 0 (0: torch's default)")
     torch.set_num_threads(a['threads'] or torch.get_num_threads())
     a['preset'] = a['preset'] if a['preset'] != 'auto' else 'gpt2' if device_type == 'cuda' else 'small'
     a.update({k: a[k] or v for k, v in PRESETS[a['preset']].items()})
@@ -739,8 +748,6 @@ def setup(argv):
             raise ConfigError(f"{key}={a[key]} must be at least 1")
     if a['sdpa_backend'] in ('cudnn', 'efficient') and device_type != 'cuda':
         raise ConfigError(f"sdpa_backend={a['sdpa_backend']!r} is a CUDA kernel; on {device_type}: 'auto' or 'flash'")
-    if a['loss_chunk_tokens'] < -1:
-        raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
     try:
         config = GPTConfig(**{k: a[k] for k in SHAPE})
     except ValueError as e:  # a shape GPTConfig rejects, with its reason

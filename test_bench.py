@@ -5,7 +5,7 @@ separate-QKV attention of the first rungs against model.py's fused one; the batc
 settings fit mode prints; fit mode's message on the CPU; the presets against the training configs, a
 timed step as one optimizer step of all its micro-batches, and staged data (one step's batches, read once);
 the activation memory count against sizes computed from the shapes (checkpointing full and selective per
-block, the logits the chunked loss drops).
+block, the logits the chunked loss drops); .ci/gpu's commands against bench.py's and train.py's own checks.
 
     python -m pytest -q test_bench.py
 """
@@ -1089,3 +1089,38 @@ def test_activation_bytes_leaves_out_buffers_and_counts_prefer_save(monkeypatch)
     monkeypatch.setattr(model_module, '_selective_policy', prefer)
     preferred, _ = saved_bytes(2, 'selective')
     assert CheckpointPolicy.MUST_SAVE in asked and preferred == must
+
+
+@pytest.mark.parametrize('part', 'abcde')
+def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
+    # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
+    # renamed or mistyped there would cost a step of that time. Its commands are recorded (python, nvidia-smi
+    # stand-ins; the script copied, since it empties bench_out/ where it lives) and each one's settings checked.
+    os.makedirs(tmp_path / '.ci')
+    script = tmp_path / '.ci' / 'gpu'
+    script.write_text(open(os.path.join(HERE, '.ci', 'gpu')).read())
+    bin_dir, log = tmp_path / 'bin', tmp_path / 'calls.jsonl'
+    os.makedirs(bin_dir)
+    (bin_dir / 'python').write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                    f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    (bin_dir / 'nvidia-smi').write_text('#!/bin/sh\n')
+    for name in ('python', 'nvidia-smi'):
+        os.chmod(bin_dir / name, 0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / 'out'))
+    done = subprocess.run(['bash', str(script), part], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert os.path.exists(tmp_path / 'out' / f'gpu-{part}.tgz')
+    calls = [json.loads(line) for line in open(log)]
+    scripts = [c for c in calls if c[0] in ('bench.py', 'train.py')]
+    assert scripts and all(c[0] in ('bench.py', 'train.py', '-c') or c[:2] == ['-m', 'pytest'] for c in calls), calls
+    monkeypatch.chdir(HERE)  # config files are named from the repository's root
+    for script_name, *argv in scripts:
+        if script_name == 'bench.py':
+            bench.read_args(argv)
+        else:
+            cfg = SimpleNamespace(**configure(train.DEFAULTS, argv))
+            train.check_config(cfg)
+            assert train.setting_warnings(cfg) == [], argv  # a setting that changes nothing is a mistake there
+    for call in calls:
+        if call[:2] == ['-m', 'pytest']:
+            assert os.path.exists(os.path.join(HERE, call[-1])), call
