@@ -513,6 +513,70 @@ def test_nan_steps_right_after_a_resume_name_the_checkpoint_resumed_from(data, t
     assert load(out / 'ckpt.pt')['iter_num'] == 4
 
 
+
+def test_nan_steps_before_any_checkpoint_say_that_none_was_saved(data, tmp_path, monkeypatch):
+    # Reference: the files in out_dir: without the evaluation at iteration 0 no checkpoint exists when the run
+    # stops at iteration 2, and the message must not name one (it said "ckpt.pt (iteration None)").
+    poison_forward(monkeypatch, lambda i: True)
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=4', '--max_iters=20', '--max_nonfinite_steps=2',
+                        '--eval_at_start=False'))
+    assert 'No checkpoint was saved yet' in str(e.value) and 'ckpt.pt' not in str(e.value), str(e.value)
+    assert not os.path.exists(out / 'ckpt.pt')
+
+
+OOM = 'CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB free.'
+
+
+def raise_in_forward(monkeypatch, when, error):
+    """Wrap GPT.forward: the call for which when(training, n) holds (n counts that mode's calls, from 0)
+    raises error() instead."""
+    real, calls = model_module.GPT.forward, {True: 0, False: 0}
+
+    def forward(self, idx, targets=None, **kw):
+        n, calls[self.training] = calls[self.training], calls[self.training] + 1
+        if when(self.training, n):
+            raise error()
+        return real(self, idx, targets, **kw)
+    monkeypatch.setattr(model_module.GPT, 'forward', forward)
+
+
+@pytest.mark.parametrize('where, checkpointing, advice', [
+    ('step', 'none', 'set activation_checkpointing=selective or full'),
+    ('step', 'selective', 'set activation_checkpointing=full'),
+    ('step', 'full', None),
+    ('evaluation', 'none', 'set activation_checkpointing=selective or full')])
+def test_out_of_memory_in_the_loop_stops_with_advice_and_the_last_checkpoint(data, tmp_path, monkeypatch, save_log,
+                                                                            where, checkpointing, advice):
+    # Reference: the last save's iteration and bytes (the evaluation at iteration 4), and the advice that fits
+    # the run's settings: no more checkpointing advised to a run that already checkpoints every block. The 6th
+    # training forward is iteration 6's; the 3rd evaluation forward is the first of the evaluation at 4 (2 per
+    # split at 0).
+    raise_in_forward(monkeypatch, lambda training, n: training == (where == 'step') and n == (5 if training else 4),
+                     lambda: torch.OutOfMemoryError(OOM))
+    out = tmp_path / 'out'
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--eval_interval=4', '--max_iters=20',
+                        f'--activation_checkpointing={checkpointing}'))
+    message = str(e.value)
+    at = 5 if where == 'step' else 4
+    assert '\n' not in message and f'out of memory on cpu after iteration {at} ({OOM})' in message, message
+    for needle in ('lower batch_size=4 and raise gradient_accumulation_steps', 'python bench.py --mode=fit',
+                   f"{out / 'ckpt.pt'} (iteration {0 if where == 'evaluation' else 4})"):
+        assert needle in message, (needle, message)
+    assert ('activation_checkpointing=' in message) == (advice is not None) and (advice is None or advice in message)
+    name, it, saved = [x for x in save_log if x[0] == 'ckpt.pt'][-1]
+    assert read_bytes(out / 'ckpt.pt') == saved and it == (0 if where == 'evaluation' else 4)
+
+
+def test_another_error_in_the_loop_is_not_called_out_of_memory(data, tmp_path, monkeypatch):
+    # Reference: the error raised, unchanged: only an out-of-memory error becomes the advice.
+    raise_in_forward(monkeypatch, lambda training, n: training and n == 2, lambda: RuntimeError('CUDA error: illegal'))
+    with pytest.raises(RuntimeError, match='^CUDA error: illegal$'):
+        train.main(args(data, tmp_path / 'out', '--eval_interval=4', '--max_iters=20'))
+
+
 # ----------------------------------------------------------------------------------------------------
 # 5. safe loading
 

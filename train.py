@@ -41,7 +41,8 @@ that has no effect in this run is named). Features, each findable by name:
   overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
-- SIGTERM/SIGINT: finish the step, save, exit with the command that resumes.
+- SIGTERM/SIGINT: finish the step, save, exit with the command that resumes. Out of GPU memory in a step or an
+  evaluation: a one-line error with what to change (memory_advice) and the last checkpoint (last_checkpoint).
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
@@ -1027,6 +1028,12 @@ def main(argv):
         code = 1  # what the wandb run records if the loop raises
         try:
             code = train_loop(r)
+        except Exception as e:  # in a step or an evaluation: a clear message, not a traceback
+            oom = out_of_memory(e)
+            if oom is None:
+                raise
+            raise TrainError(f"out of memory on {r.device} after iteration {r.iter_num} {memory_advice(oom, cfg)}. "
+                             f"{last_checkpoint(r)}") from None
         finally:
             if r.wandb:
                 r.wandb.finish(exit_code=code)
@@ -1138,6 +1145,7 @@ def start_or_resume(r):
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     r.plot_path, r.plotted_at = os.path.join(cfg.out_dir, 'metrics.png'), time.time()  # first drawn PLOT_EVERY_S in
     r.iter_num, r.tokens, r.best_val_loss, r.rng, r.metrics_lost = 0, 0, math.inf, None, 0
+    r.saved_iter = None  # the iteration of the last checkpoint written (or resumed from)
     r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
     r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
     if cfg.init_from != 'resume':
@@ -1178,6 +1186,7 @@ def start_or_resume(r):
         r.scaler.load_state_dict(ckpt['scaler'])
     r.batches.load_state_dict(ckpt['batches'])
     r.iter_num, r.best_val_loss, r.rng = ckpt['iter_num'], ckpt['best_val_loss'], ckpt['rng']
+    r.saved_iter = r.iter_num
     # (a checkpoint from before the count: its tokens per iteration, every iteration)
     r.tokens = ckpt.get('tokens', r.iter_num * tokens_per_iter(SimpleNamespace(**saved)))
     r.init_from = ckpt.get('init_from', 'scratch')
@@ -1414,17 +1423,30 @@ def compile_model(r):
     except Exception as e:
         oom = out_of_memory(e)
         if oom is not None:
-            first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
-            raise TrainError(f"out of memory in the first (compiling) step on {r.device} ({first[:200]}): lower "
-                             f"batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens per "
-                             f"step), or set activation_checkpointing=selective or full; `python bench.py --mode=fit` "
-                             f"finds the largest batch_size that fits") from None
+            raise TrainError(f"out of memory in the first (compiling) step on {r.device} {memory_advice(oom, cfg)}"
+                             ) from None
         bar = '!' * 100
         print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
               f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
         r.optimizer.zero_grad(set_to_none=True)
         r.model.train()
         return r.wrapped, 'FAILED, running eager (see the warning above)'
+
+
+def memory_advice(oom, cfg):
+    """The line of an out-of-memory error that says so, in brackets, then what to change."""
+    first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
+    less = {'none': ', or set activation_checkpointing=selective or full',
+            'selective': ', or set activation_checkpointing=full'}.get(cfg.activation_checkpointing, '')
+    return (f"({first[:300]}): lower batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens "
+            f"per step){less}; `python bench.py --mode=fit` finds the largest batch_size that fits")
+
+
+def last_checkpoint(r):
+    """What a run stopped by an error can resume from, for its message."""
+    if r.saved_iter is None:
+        return "No checkpoint was saved yet"
+    return f"The last good checkpoint is {r.ckpt_path} (iteration {r.saved_iter})"
 
 
 def out_of_memory(e):
@@ -1589,7 +1611,7 @@ def train_loop(r):
                             + ['--init_from=resume'])
 
     def evaluate():
-        nonlocal saved_iter, t0, t0_iter, eval_s
+        nonlocal t0, t0_iter, eval_s
         start = time.time()
         losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
         say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
@@ -1600,7 +1622,7 @@ def train_loop(r):
         improved = losses['val'] < r.best_val_loss
         r.best_val_loss = min(r.best_val_loss, losses['val'])
         save(r, *([r.best_path] if improved else []), r.ckpt_path)
-        saved_iter = r.iter_num
+        r.saved_iter = r.iter_num
         t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
         eval_s = t0 - start  # evaluation, plot and checkpoints: the time left counts those to come
 
@@ -1610,7 +1632,7 @@ def train_loop(r):
         elif r.rng is not None:  # more processes than the checkpoint's run had
             torch.manual_seed(cfg.seed + r.rank + r.iter_num)
         state_reported = False
-        bad_steps, skipped, saved_iter = 0, 0, (r.iter_num if cfg.init_from == 'resume' else None)
+        bad_steps, skipped = 0, 0
         t0, t0_iter, eval_s = time.time(), r.iter_num, 0.0
         while True:
             # every eval_interval, and at the end (max_iters need not be a multiple of it)
@@ -1631,8 +1653,8 @@ def train_loop(r):
                     f"step skipped ({bad_steps} in a row)", file=sys.stderr)
                 if bad_steps >= cfg.max_nonfinite_steps:
                     raise TrainError(f"iteration {r.iter_num}: {bad_steps} consecutive steps with a non-finite loss "
-                                     f"or gradient; stopping. The last good checkpoint is {r.ckpt_path} "
-                                     f"(iteration {saved_iter}); lower learning_rate or check the data")
+                                     f"or gradient; stopping. {last_checkpoint(r)}; lower learning_rate or check "
+                                     f"the data")
             else:
                 bad_steps = 0
             if ok and r.iter_num % cfg.log_interval == 0:
@@ -1667,7 +1689,7 @@ def train_loop(r):
                 say(f"{signal.Signals(signum).name}: saved {r.ckpt_path} at iteration {r.iter_num}. Resume with:\n"
                     f"  {resume_cmd}")
                 return 128 + signum
-        if saved_iter != r.iter_num:
+        if r.saved_iter != r.iter_num:
             save(r, r.ckpt_path)
         say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
         return 0
