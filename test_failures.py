@@ -16,6 +16,7 @@ import math
 import os
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -542,32 +543,48 @@ def raise_in_forward(monkeypatch, when, error):
     monkeypatch.setattr(model_module.GPT, 'forward', forward)
 
 
-@pytest.mark.parametrize('where, checkpointing, advice', [
-    ('step', 'none', 'set activation_checkpointing=selective or full'),
-    ('step', 'selective', 'set activation_checkpointing=full'),
-    ('step', 'full', None),
-    ('evaluation', 'none', 'set activation_checkpointing=selective or full')])
+@pytest.mark.parametrize('where, flags, advice', [
+    ('step', [], ['lower batch_size=4 and raise gradient_accumulation_steps',
+                  'activation_checkpointing=selective or full']),
+    ('step', ['--activation_checkpointing=selective'], ['lower batch_size=4', 'activation_checkpointing=full']),
+    ('step', ['--activation_checkpointing=full'], ['lower batch_size=4']),
+    ('step', ['--batch_size=1', '--activation_checkpointing=full'],
+     ['batch_size is 1 already', 'optimizer=adamw8bit or optimizer_offload=True']),
+    ('evaluation', [], ['lower batch_size=4', 'activation_checkpointing=selective or full'])])
 def test_out_of_memory_in_the_loop_stops_with_advice_and_the_last_checkpoint(data, tmp_path, monkeypatch, save_log,
-                                                                            where, checkpointing, advice):
-    # Reference: the last save's iteration and bytes (the evaluation at iteration 4), and the advice that fits
-    # the run's settings: no more checkpointing advised to a run that already checkpoints every block. The 6th
-    # training forward is iteration 6's; the 3rd evaluation forward is the first of the evaluation at 4 (2 per
-    # split at 0).
+                                                                            where, flags, advice):
+    # Reference: the last save's iteration and bytes (the evaluation at iteration 4), and advice that fits the
+    # run's settings: no more checkpointing advised to a run that checkpoints every block, no smaller batch than 1,
+    # no bench.py (fit mode needs CUDA) on the CPU. The 6th training forward is iteration 6's; the 5th
+    # evaluation forward is the first of the evaluation at 4 (2 per split at 0).
     raise_in_forward(monkeypatch, lambda training, n: training == (where == 'step') and n == (5 if training else 4),
                      lambda: torch.OutOfMemoryError(OOM))
     out = tmp_path / 'out'
     with pytest.raises(train.TrainError) as e:
-        train.main(args(data, out, '--eval_interval=4', '--max_iters=20',
-                        f'--activation_checkpointing={checkpointing}'))
+        train.main(args(data, out, '--eval_interval=4', '--max_iters=20', *flags))
     message = str(e.value)
     at = 5 if where == 'step' else 4
     assert '\n' not in message and f'out of memory on cpu after iteration {at} ({OOM})' in message, message
-    for needle in ('lower batch_size=4 and raise gradient_accumulation_steps', 'python bench.py --mode=fit',
-                   f"{out / 'ckpt.pt'} (iteration {0 if where == 'evaluation' else 4})"):
+    for needle in advice + [f"{out / 'ckpt.pt'} (iteration {0 if where == 'evaluation' else 4})"]:
         assert needle in message, (needle, message)
-    assert ('activation_checkpointing=' in message) == (advice is not None) and (advice is None or advice in message)
+    assert message.count('activation_checkpointing=') == sum('activation_checkpointing=' in a for a in advice)
+    assert ('optimizer=' in message) == (advice[0] == 'batch_size is 1 already') and 'bench.py' not in message
     name, it, saved = [x for x in save_log if x[0] == 'ckpt.pt'][-1]
     assert read_bytes(out / 'ckpt.pt') == saved and it == (0 if where == 'evaluation' else 4)
+
+
+def test_out_of_memory_advice_on_cuda_runs_fit_mode_on_the_runs_shape_and_step():
+    # Reference: bench.py's own reading of the advised command: the model shape and the tokens of one optimizer
+    # step that the run has (GQA and a padded vocabulary included).
+    import bench
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'batch_size': 6, 'block_size': 256, 'gradient_accumulation_steps': 5})
+    config = model_module.GPTConfig(n_layer=3, n_head=8, n_kv_head=2, n_embd=128, vocab_size=320, block_size=256)
+    r = SimpleNamespace(cfg=cfg, device_type='cuda', model_config=config)
+    message = train.memory_advice(torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB'), r)
+    command = re.search(r'`python bench.py (--mode=fit [^`]*)`', message).group(1).split()
+    a = bench.read_args(command)
+    assert a['mode'] == 'fit' and a['tokens_per_step'] == 6 * 256 * 5
+    assert all(a[k] == getattr(config, k) for k in bench.SHAPE), (command, config)
 
 
 def test_another_error_in_the_loop_is_not_called_out_of_memory(data, tmp_path, monkeypatch):
@@ -575,6 +592,58 @@ def test_another_error_in_the_loop_is_not_called_out_of_memory(data, tmp_path, m
     raise_in_forward(monkeypatch, lambda training, n: training and n == 2, lambda: RuntimeError('CUDA error: illegal'))
     with pytest.raises(RuntimeError, match='^CUDA error: illegal$'):
         train.main(args(data, tmp_path / 'out', '--eval_interval=4', '--max_iters=20'))
+
+
+
+def test_resume_before_any_evaluation_says_there_is_no_val_loss(data, tmp_path, monkeypatch, capsys):
+    # Reference: the checkpoint's best_val_loss, inf when no evaluation ran (it printed "best val loss inf").
+    out = tmp_path / 'out'
+    signal_at(monkeypatch, {2})
+    assert train.main(args(data, out, '--eval_interval=100', '--max_iters=10', '--eval_at_start=False')) == 128 + 15
+    assert load(out / 'ckpt.pt')['best_val_loss'] == math.inf
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert train.main(args(data, out, '--eval_interval=100', '--max_iters=10', '--init_from=resume')) == 0
+    said = capsys.readouterr().out
+    assert f"resuming from {out / 'ckpt.pt'} at iteration 2 (no val loss yet)" in said and 'inf' not in said, said
+
+
+@pytest.mark.parametrize('world, local, want', [
+    (1, None, ['python', 'train.py']), (2, None, ['torchrun', '--nproc_per_node=2', 'train.py']),
+    (8, '4', ['torchrun', '--nnodes=2', '--nproc_per_node=4', 'train.py'])])
+def test_resume_command_runs_this_script_as_launched(monkeypatch, tmp_path, world, local, want):
+    # Reference: torchrun's own variables (LOCAL_WORLD_SIZE: the processes of one node; a command that started
+    # the global count on each node would start twice as many) and this file's path from the working directory.
+    if local:
+        monkeypatch.setenv('LOCAL_WORLD_SIZE', local)
+    else:
+        monkeypatch.delenv('LOCAL_WORLD_SIZE', raising=False)
+    monkeypatch.chdir(HERE)
+    command = train.resume_command(['--out_dir=o x', '--init_from=scratch'], world)
+    assert command.startswith(' '.join(want) + " '--out_dir=o x' --init_from=resume"), command
+    assert command.endswith('options the run was started with') == (local is not None)
+    monkeypatch.chdir(os.path.dirname(HERE))
+    assert f' {os.path.basename(HERE)}/train.py ' in train.resume_command([], world)
+    monkeypatch.chdir(tmp_path)  # not above this file: its absolute path
+    assert f' {os.path.join(HERE, "train.py")} ' in train.resume_command([], world)
+
+
+def test_checkpoint_that_is_a_directory_is_an_error_naming_it(data, tmp_path):
+    os.makedirs(tmp_path / 'out' / 'ckpt.pt')
+    with pytest.raises(train.TrainError, match=r'ckpt\.pt cannot be read: Is a directory'):
+        train.main(args(data, tmp_path / 'out', '--init_from=resume'))
+
+
+
+def test_missing_token_file_advice_is_a_command_that_pastes(tmp_path):
+    # Reference: the shell's own reading of the advised command (shlex): a data_dir with a space stays one argument.
+    data = write_data(tmp_path / 'my data')
+    os.remove(os.path.join(data, 'train.bin'))
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, tmp_path / 'out'))
+    command = re.search(r'`([^`]*)`', str(e.value)).group(1)
+    assert shlex.split(command) == ['python', 'prepare_data.py', f'--data_dir={data}'], str(e.value)
+    assert "tokenizer 'char'" in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -787,9 +856,12 @@ def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_p
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4')) == 0
     capsys.readouterr()
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=6', '--init_from=resume',
-                           '--learning_rate=0.02')) == 0
+                           '--learning_rate=0.02', '--zero_init_proj=True', '--eval_at_start=False')) == 0
     stdout = capsys.readouterr().out
-    assert 'learning_rate: 0.01 -> 0.02' in stdout and 'max_iters: 4 -> 6' in stdout, stdout
+    assert 'learning_rate: 0.01 -> 0.02\n' in stdout and 'max_iters: 4 -> 6\n' in stdout, stdout
+    # what only a run's start reads is listed as having no effect (the weights and iteration 0 are behind it)
+    for key in ('zero_init_proj', 'eval_at_start'):
+        assert re.search(rf'{key}: (True|False) -> (True|False)  \(no effect on a resumed run\)\n', stdout), stdout
     assert load(out / 'ckpt.pt')['iter_num'] == 6
     # Reference: the cosine schedule by hand with the new settings: at it=4 of warmup 2, decay to 6,
     # halfway down from 0.02 to min_lr 0.001.
@@ -1049,16 +1121,27 @@ def run_files(out):
     return {name: read_bytes(out / name) for name in ('ckpt.pt', 'best.pt', 'metrics.jsonl', 'metrics.png')}
 
 
-def test_scratch_run_moves_an_earlier_run_aside(data, tmp_path):
+def test_scratch_run_moves_an_earlier_run_aside(data, tmp_path, capsys):
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2', '--seed=1')) == 0
     first = run_files(out)
+    capsys.readouterr()
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=3', '--seed=2')) == 0
     kept = glob.glob(str(out / 'previous-*'))
     assert len(kept) == 1
     assert {name: read_bytes(os.path.join(kept[0], name)) for name in first} == first
     assert load(out / 'ckpt.pt')['iter_num'] == 3  # the new run's own files
     assert [r['iter'] for r in read_metrics(out) if 'loss' in r] == [1, 2, 3]
+    # the flags it prints continue the earlier run (iteration 2), not the new one (it said: use --init_from=resume)
+    flags = re.search(r'to continue it: (--out_dir=\S+ --init_from=resume)\)', capsys.readouterr().out).group(1)
+    assert train.main(TINY + [f'--data_dir={data}', '--eval_interval=2', '--max_iters=4', *flags.split()]) == 0
+    assert 'resuming from' in capsys.readouterr().out and load(os.path.join(kept[0], 'ckpt.pt'))['iter_num'] == 4
+    # an earlier run without a checkpoint has nothing to continue: no such flags
+    os.remove(out / 'ckpt.pt')
+    os.remove(out / 'best.pt')
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=1')) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if 'held an earlier run' in ln)
+    assert 'continue' not in line and 'init_from' not in line, line
 
 
 def test_two_scratch_restarts_in_the_same_second_keep_both_runs(data, tmp_path, monkeypatch):

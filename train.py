@@ -175,6 +175,8 @@ CHECKPOINT_KEYS = ('model', 'optimizer', 'scaler', 'iter_num', 'best_val_loss', 
 OPTIMIZER_KEYS = ('optimizer', 'optimizer_offload')
 # what the val losses depend on besides the model: changed on resume, the best val loss so far no longer compares
 EVAL_KEYS = ('data_dir', 'eval_iters', 'batch_size', 'block_size', 'seed')
+# what only the start of a run reads (its initial weights, its evaluation at iteration 0): nothing on resume
+START_KEYS = ('zero_init_proj', 'eval_at_start')
 
 
 class TrainError(RuntimeError):
@@ -245,7 +247,7 @@ def check_readable(path, missing):
 
 def read_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
-    check_readable(path, f"prepare the data first, e.g. `python prepare_data.py --data_dir={data_dir}`")
+    check_readable(path, f"prepare the data first, e.g. `python prepare_data.py --data_dir={shlex.quote(data_dir)}`")
     try:
         with open(path) as f:
             meta = json.load(f)
@@ -266,7 +268,8 @@ def read_meta(data_dir):
 def load_tokens(data_dir, split, meta, block_size, vocab_size):
     """Memory-map data_dir/{split}.bin after checking it against meta.json and the model."""
     path = os.path.join(data_dir, f'{split}.bin')
-    check_readable(path, f"run `python prepare_data.py --data_dir={data_dir}` again")
+    check_readable(path, f"prepare the data again: `python prepare_data.py --data_dir={shlex.quote(data_dir)}` with "
+                         f"the --input and --tokenizer it was made with (meta.json: tokenizer {meta['tokenizer']!r})")
     itemsize = np.dtype(meta['dtype']).itemsize
     size = os.path.getsize(path)
     expected = meta.get(f'{split}_tokens')
@@ -823,6 +826,7 @@ def load_checkpoint(path, device='cpu'):
     """torch.load with weights_only=True: tensors and plain data only; nothing in the file runs code."""
     if not os.path.exists(path):
         raise TrainError(f"no checkpoint at {path}")
+    check_readable(path, '')  # a directory, a file without read permission: one line naming it
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
@@ -885,6 +889,20 @@ def peak_memory_mb(device_type):
         return torch.cuda.max_memory_allocated() / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KB on Linux
     return rss / 2**20 if sys.platform == 'darwin' else rss / 2**10
+
+
+def resume_command(argv, world):
+    """The command line that resumes this run: its arguments with --init_from=resume, the script's path from
+    here, under torchrun as many processes per node (LOCAL_WORLD_SIZE) and nodes as now."""
+    local = int(os.environ.get('LOCAL_WORLD_SIZE', world))
+    nodes = world // local
+    launcher = ['python'] if world == 1 else ['torchrun', *([f'--nnodes={nodes}'] if nodes > 1 else []),
+                                              f'--nproc_per_node={local}']
+    script = os.path.relpath(__file__)
+    script = os.path.abspath(__file__) if script.startswith('..') else script
+    command = shlex.join(launcher + [script] + [a for a in argv if not a.startswith('--init_from=')]
+                         + ['--init_from=resume'])
+    return command + ('  # on each node, with the rendezvous options the run was started with' if nodes > 1 else '')
 
 
 @contextmanager
@@ -1032,7 +1050,7 @@ def main(argv):
             oom = out_of_memory(e)
             if oom is None:
                 raise
-            raise TrainError(f"out of memory on {r.device} after iteration {r.iter_num} {memory_advice(oom, cfg)}. "
+            raise TrainError(f"out of memory on {r.device} after iteration {r.iter_num} {memory_advice(oom, r)}. "
                              f"{last_checkpoint(r)}") from None
         finally:
             if r.wandb:
@@ -1175,7 +1193,8 @@ def start_or_resume(r):
     before = torch_ns_dtype(r.device_type)
     if 'muon_dtype' not in ckpt['config'] and muon_ns_dtype(cfg.muon_dtype, r.device_type)[0] != before:
         saved['muon_dtype'] = before
-    changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k != 'init_from'])
+    changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k not in ('init_from', *START_KEYS)])
+    changed += [f"{line}  (no effect on a resumed run)" for line in config_diff(saved, vars(cfg), START_KEYS)]
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
     if optimizer_diff := config_diff(saved, vars(cfg), OPTIMIZER_KEYS):
@@ -1191,13 +1210,17 @@ def start_or_resume(r):
     r.tokens = ckpt.get('tokens', r.iter_num * tokens_per_iter(SimpleNamespace(**saved)))
     r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
-    say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} (best val loss {r.best_val_loss:.4f})")
+    say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} ({best_val_text(r.best_val_loss)})")
     if config_diff(saved, vars(cfg), EVAL_KEYS) and r.best_val_loss < math.inf:
         say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
             f"the next evaluation's model is written to {r.best_path}")
         r.best_val_loss = math.inf
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
+
+
+def best_val_text(loss):
+    return f"best val loss {loss:.4f}" if loss < math.inf else "no val loss yet"
 
 
 def complete_model_args(model_args):
@@ -1257,7 +1280,8 @@ def move_earlier_run(r):
         moved = f"; those moved so far are in {keep}" if keep and os.path.isdir(keep) else ''
         raise TrainError(f"could not move the earlier run's files in {r.cfg.out_dir} aside ({os_reason(e)}); "
                          f"nothing was overwritten{moved}") from None
-    r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep} (use --init_from=resume to continue it)")
+    resumable = f" (to continue it: --out_dir={shlex.quote(keep)} --init_from=resume)" if r.ckpt_path in found else ''
+    r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep}{resumable}")
 
 
 def truncate_metrics(path, iter_num, say):
@@ -1423,7 +1447,7 @@ def compile_model(r):
     except Exception as e:
         oom = out_of_memory(e)
         if oom is not None:
-            raise TrainError(f"out of memory in the first (compiling) step on {r.device} {memory_advice(oom, cfg)}"
+            raise TrainError(f"out of memory in the first (compiling) step on {r.device} {memory_advice(oom, r)}"
                              ) from None
         bar = '!' * 100
         print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
@@ -1433,13 +1457,23 @@ def compile_model(r):
         return r.wrapped, 'FAILED, running eager (see the warning above)'
 
 
-def memory_advice(oom, cfg):
-    """The line of an out-of-memory error that says so, in brackets, then what to change."""
+def memory_advice(oom, r):
+    """The line of an out-of-memory error that says so, in brackets, then what to change in this run."""
+    cfg = r.cfg
     first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
-    less = {'none': ', or set activation_checkpointing=selective or full',
-            'selective': ', or set activation_checkpointing=full'}.get(cfg.activation_checkpointing, '')
-    return (f"({first[:300]}): lower batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens "
-            f"per step){less}; `python bench.py --mode=fit` finds the largest batch_size that fits")
+    ways = [f"lower batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens per step)"
+            if cfg.batch_size > 1 else "batch_size is 1 already: a shorter block_size or a smaller model"]
+    ways += {'none': ["activation_checkpointing=selective or full"],
+             'selective': ["activation_checkpointing=full"]}.get(cfg.activation_checkpointing, [])
+    if cfg.batch_size == 1 and cfg.optimizer == 'adamw' and not cfg.optimizer_offload:  # weights and state dominate
+        ways.append("optimizer=adamw8bit or optimizer_offload=True")
+    advice = f"({first[:300]}): {'; or '.join(ways)}"
+    if r.device_type == 'cuda':  # bench.py's fit mode, for this run's shape and step
+        c = r.model_config
+        flags = [f'--{k}={getattr(c, k)}' for k in ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size',
+                                                      'block_size')] + [f'--tokens_per_step={tokens_per_iter(cfg)}']
+        advice += f"; `python bench.py --mode=fit {' '.join(flags)}` finds the largest batch_size that fits"
+    return advice
 
 
 def last_checkpoint(r):
@@ -1606,9 +1640,7 @@ def train_loop(r):
     exit code."""
     cfg, say, world = r.cfg, r.say, r.world
 
-    launcher = ['torchrun', f'--nproc_per_node={world}'] if world > 1 else ['python']
-    resume_cmd = shlex.join(launcher + ['train.py'] + [a for a in r.argv if not a.startswith('--init_from=')]
-                            + ['--init_from=resume'])
+    resume_cmd = resume_command(r.argv, world)
 
     def evaluate():
         nonlocal t0, t0_iter, eval_s
@@ -1691,7 +1723,7 @@ def train_loop(r):
                 return 128 + signum
         if r.saved_iter != r.iter_num:
             save(r, r.ckpt_path)
-        say(f"done: {r.iter_num} iterations, best val loss {r.best_val_loss:.4f}; checkpoints in {cfg.out_dir}")
+        say(f"done: {r.iter_num} iterations, {best_val_text(r.best_val_loss)}; checkpoints in {cfg.out_dir}")
         return 0
 
 
