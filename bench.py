@@ -552,7 +552,8 @@ def fit(env):
             leak = f"(up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
             row['note'] = f"{row['note']} {leak}".strip()
         variants.append(row)
-        print(f"  {name:<28} largest micro-batch {row['micro_batch']}: " + (
+        print(f"  {name:<28} " + (f"largest micro-batch {row['micro_batch']}: " if row['micro_batch'] is not None
+                                  else '') + (
               f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
               if row['batch_size'] else '') + row['note'], flush=True)
     os.makedirs(env.out, exist_ok=True)
@@ -717,6 +718,13 @@ def read_args(argv):
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
     if a['mode'] == 'fit' and a['compile_mode'] != 'default':
         raise ConfigError("--mode=fit runs eager (compile would recompile at every size): compile_mode does not apply")
+    # what a mode sets itself, so that a setting it would ignore is no silent no-op
+    unread = {'profile': (('rungs', 'repeats'), 'profiles the top rung, once'),
+              'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats'),
+                      'searches the micro-batch, each try one warm-up and one timed step of 2 micro-steps')}
+    keys, what = unread.get(a['mode'], ((), ''))
+    if unread := [k for k in keys if a[k] != DEFAULTS[k]]:
+        raise ConfigError(f"--mode={a['mode']} does not read {', '.join(unread)}: it {what}")
     total = len(LADDER) + len(MEMORY)
     try:
         a['rungs'] = sorted({int(r) for r in str(a['rungs']).replace(' ', '').split(',') if r})

@@ -328,9 +328,13 @@ def export(ckpt_path, hf_dir, dtype='float32'):
 
 def main(argv):
     from configurator import configure
+    from prepare_data import os_reason
     cfg = configure(DEFAULTS, argv, __file__)
-    export(os.path.join(cfg['out_dir'], cfg['ckpt']), cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf'),
-           cfg['dtype'])
+    hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
+    try:
+        export(os.path.join(cfg['out_dir'], cfg['ckpt']), hf_dir, cfg['dtype'])
+    except OSError as e:  # a write into the probed directory (a full disk shows at a file's close: no file named)
+        raise ValueError(f"cannot write into {hf_dir}: {os_reason(e, hf_dir)}") from None
 
 
 if __name__ == '__main__':

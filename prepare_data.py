@@ -152,7 +152,8 @@ def jsonl_documents(path, text_field):
                 if line.strip():
                     yield json_text(line, text_field, f"{path}, line {n}")
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a truncated or corrupt .gz
-        raise ValueError(f"{path}: unreadable after line {n} ({type(e).__name__}: {e})") from None
+        where = f"after line {n}" if n else "from its start"
+        raise ValueError(f"{path}: unreadable {where} ({type(e).__name__}: {e})") from None
 
 
 def json_text(line, text_field, where):
@@ -165,8 +166,8 @@ def json_text(line, text_field, where):
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a JSON object was expected, not {json.dumps(record)[:60]} ({JSONL})")
     if text_field not in record:
-        raise ValueError(f"{where}: no field '{text_field}' (fields: {', '.join(record)}); "
-                         f"--text_field names the one that holds the text")
+        fields = f"fields: {', '.join(record)}" if record else "the record has no field"
+        raise ValueError(f"{where}: no field '{text_field}' ({fields}); --text_field names the one that holds the text")
     text = record[text_field]
     if not isinstance(text, str):
         raise ValueError(f"{where}: field '{text_field}' is not a string but {json.dumps(text)[:60]}")

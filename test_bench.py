@@ -464,7 +464,10 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
     # each size that ran out of memory, with the error, for the record: doubling to 32, then bisecting 16..32
     assert variants[0]['failures'] == [{'batch_size': b, 'error': 'OutOfMemoryError: CUDA out of memory'}
                                        for b in (32, 24, 22, 21)]
-    assert '--batch_size=32 --gradient_accumulation_steps=2' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert '--batch_size=32 --gradient_accumulation_steps=2' in printed
+    # a skipped variant says so, without a micro-batch (it printed 'largest micro-batch None')
+    assert '  act. ckpt full + 8-bit AdamW skipped: optimizer=adamw8bit needs bitsandbytes\n' in printed, printed
     assert json.load(open(tmp_path / 'fit.json'))['bench_variants']['sdpa_backend'] == 'auto'
 
 
@@ -472,6 +475,10 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
     (['--sdpa_backend=cudnn'], "sdpa_backend='cudnn' is a CUDA kernel; on cpu: 'auto' or 'flash'"),
     (['--sdpa_backend=efficient'], "sdpa_backend='efficient' is a CUDA kernel"),
     (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
+    (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read rungs, repeats: it profiles the '
+                                                     'top rung, once'),
+    (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps: it searches the '
+                                                    'micro-batch'),
     (['--loss_chunk_tokens=-2'], "loss_chunk_tokens=-2: -1 (model.py's), 0 (the plain loss) or a size"),
     (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'")])
 def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):

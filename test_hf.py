@@ -681,6 +681,11 @@ def test_export_bfloat16_and_refusals(tmp_path):
     assert f'hf_dir {tmp_path}/ckpt.pt/hf cannot be created: ' in proc.stderr
     with pytest.raises(train.TrainError, match=re.escape(f"hf_dir {tmp_path / 'ckpt.pt'} is a file, not a directory")):
         export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "ckpt.pt"}'])
+    # a disk that fills up at a file's close, where the error names no file (it said 'export.py: error: : No space')
+    os.makedirs(tmp_path / 'full')
+    os.symlink('/dev/full', tmp_path / 'full' / 'config.json')
+    with pytest.raises(ValueError, match=re.escape(f"cannot write into {tmp_path / 'full'}: No space left on device")):
+        export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "full"}'])
     # the weights as readable as the other files written (safetensors writes them for their owner alone)
     modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}
     assert modes['model.safetensors'] == modes['config.json'], modes

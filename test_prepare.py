@@ -656,7 +656,10 @@ BAD_RECORDS = {
     'int column': (lambda t: bad_parquet(t, text=[1, 2]), r"bad\.parquet: column 'text' holds int64, not strings"),
     'null row': (lambda t: bad_parquet(t, text=['a', 'b', 'c', 'd', None, 'f']),
                  r"bad\.parquet, row group 1, row 1 \(row 4 of the file\): 'text' is null"),
+    'empty record': (lambda t: bad_jsonl(t, '{}'), r"bad\.jsonl, line 7: no field 'text' \(the record has no field\)"),
     'truncated gz': (truncated_gz, r'docs\.jsonl\.gz: unreadable after line \d+ \(EOFError'),
+    'not gzip': (lambda t: write(t / 'docs.jsonl.gz', '{"text": "a"}\n'),
+                 r'docs\.jsonl\.gz: unreadable from its start \(BadGzipFile'),
     'not parquet': (lambda t: write(t / 'bad.parquet', 'text,id\n'), r'bad\.parquet: not a readable Parquet file'),
     'compressed text': (lambda t: write_records(t, ['a'], 'txt.gz'), r'docs\.txt\.gz: a compressed file, and not one'),
 }
