@@ -890,18 +890,25 @@ def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_pa
     # Reference: best.pt's saves. Evaluated on other val data (data_dir changed), or on other val batches (the
     # seed, the number or the size of the eval batches changed), a loss above the old best (4.5 > 4.0) is the
     # best so far on what is measured now: best.pt is written, and the reset said; resumed on the same data and
-    # batches, it is not (test_best_keeps_the_best_weights_and_ckpt_the_latest)
+    # batches, it is not (test_best_keeps_the_best_weights_and_ckpt_the_latest). The checkpoint's own iteration
+    # (2) is evaluated again, on what is measured now; so is a finished run's (4), which has no evaluation to come.
     out = tmp_path / 'out'
     other, extra = (write_data(tmp_path / 'other', seed=1), []) if change == 'data_dir' else (data, [change])
     scripted_eval(monkeypatch, [5.0, 4.0])
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     save_log.clear()
-    scripted_eval(monkeypatch, [4.5])
+    scripted_eval(monkeypatch, [4.5, 4.7])
     capsys.readouterr()
     assert train.main(args(other, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', *extra)) == 0
     assert 'best val loss reset: data_dir, eval_iters, batch_size, block_size, seed' in capsys.readouterr().out
-    assert [(name, it) for name, it, _ in save_log] == [('best.pt', 4), ('ckpt.pt', 4)]
+    assert [(name, it) for name, it, _ in save_log] == [('best.pt', 2), ('ckpt.pt', 2), ('ckpt.pt', 4)]
     assert load(out / 'best.pt')['best_val_loss'] == 4.5
+    save_log.clear()
+    scripted_eval(monkeypatch, [4.9])
+    assert train.main(args(other, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', *extra,
+                           '--eval_iters=4')) == 0  # (after any eval_iters in extra: the last flag counts)
+    assert [(name, it) for name, it, _ in save_log] == [('best.pt', 4), ('ckpt.pt', 4)]
+    assert 'done: 4 iterations, best val loss 4.9000' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('flag, change', [('--optimizer=muon', "optimizer: 'adamw' -> 'muon'"),

@@ -1215,6 +1215,7 @@ def start_or_resume(r):
         say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
             f"the next evaluation's model is written to {r.best_path}")
         r.best_val_loss = math.inf
+        r.last_eval = None  # the checkpoint's evaluation measured something else: at its iteration, evaluate again
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
 
