@@ -322,7 +322,7 @@ def run_rung(s, env, timed=nullcontext):
         optimizer = train.configure_optimizer(model, cfg, env.device_type,
                                               fused=s['fused_adamw'] and env.device_type == 'cuda')
     except train.TrainError as e:  # no bitsandbytes, no torchao, ...: the rung is skipped
-        raise BenchError(str(e)) from None
+        raise BenchError(str(e).removesuffix(', or use optimizer=adamw')) from None  # (train.py's advice, not ours)
     mode = None if env.compile_mode == 'default' else env.compile_mode
     net = torch.compile(model, mode=mode) if s['compile'] else model
     batches = train.Batches(env.tokens, env.batch_size, env.block_size, env.device, env.seed,

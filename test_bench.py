@@ -1131,3 +1131,15 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     for call in calls:
         if call[:2] == ['-m', 'pytest']:
             assert os.path.exists(os.path.join(HERE, call[-1])), call
+
+
+def test_a_rung_without_bitsandbytes_is_skipped_with_advice_for_bench(tmp_path, monkeypatch):
+    # Reference: train.py's own message for the missing library, less its advice to train with optimizer=adamw,
+    # a setting bench.py does not have (a rung's optimizer is the rung's).
+    monkeypatch.setitem(sys.modules, 'bitsandbytes', None)  # an import of it fails, as where it is not installed
+    with pytest.raises(train.TrainError) as e:
+        train.configure_optimizer(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8)),
+                                  SimpleNamespace(**{**train.DEFAULTS, 'optimizer': 'adamw8bit'}), 'cpu')
+    rung = {r['rung']: r for r in run_ladder(str(tmp_path), '--rungs=11')['rungs']}[11]
+    assert rung['status'] == 'skipped' and str(e.value).endswith(', or use optimizer=adamw')
+    assert rung['reason'] == str(e.value).removesuffix(', or use optimizer=adamw'), rung['reason']
