@@ -707,7 +707,8 @@ def step_note(preset, tokens_per_iter):
 
 def read_args(argv):
     """The settings of argv (config files, then --key=value flags) over DEFAULTS, checked as far as they can be
-    without the device: each choice among its own, the rungs parsed and in range, counts in range."""
+    without the device: each choice among its own, the rungs parsed and in range, no setting the mode does not
+    read (the counts that a preset resolves are checked in setup)."""
     a = configure(DEFAULTS, argv, __file__)
     choices = {'mode': ('ladder', 'fit', 'profile'), 'preset': ('auto', *PRESETS),
                'dtype': ('auto', 'bfloat16', 'float16'), 'fp8_recipe': train.CHOICES['fp8_recipe'],
@@ -719,10 +720,11 @@ def read_args(argv):
     if a['mode'] == 'fit' and a['compile_mode'] != 'default':
         raise ConfigError("--mode=fit runs eager (compile would recompile at every size): compile_mode does not apply")
     # what a mode sets itself, so that a setting it would ignore is no silent no-op
-    unread = {'profile': (('rungs', 'repeats'), 'profiles the top rung, once'),
-              'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats'),
-                      'searches the micro-batch, each try one warm-up and one timed step of 2 micro-steps')}
-    keys, what = unread.get(a['mode'], ((), ''))
+    unread = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
+              'profile': (('rungs', 'repeats', 'tokens_per_step'), 'profiles the top rung, once'),
+              'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile'),
+                      'searches the micro-batch, eager, each try one warm-up and one timed step of 2 micro-steps')}
+    keys, what = unread[a['mode']]
     if unread := [k for k in keys if a[k] != DEFAULTS[k]]:
         raise ConfigError(f"--mode={a['mode']} does not read {', '.join(unread)}: it {what}")
     total = len(LADDER) + len(MEMORY)

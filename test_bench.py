@@ -453,7 +453,8 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
             raise bench.BenchError('optimizer=adamw8bit needs bitsandbytes')
         if env.batch_size > limits[s['checkpointing'], s['optimizer']]:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
-    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2048'])  # 64 sequences of 32 tokens
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = 2048  # 64 sequences of 32 tokens (fit mode's setting: a ladder refuses it)
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     assert bench.fit(env) == 0
     variants = json.load(open(tmp_path / 'fit.json'))['variants']
@@ -477,8 +478,10 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
     (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
     (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read rungs, repeats: it profiles the '
                                                      'top rung, once'),
-    (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps: it searches the '
-                                                    'micro-batch'),
+    (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps, compile: it '
+                                                    'searches the micro-batch'),  # (compile: TINY's)
+    (['--mode=fit', '--compile=False'], '--mode=fit does not read compile: it searches the micro-batch, eager'),
+    (['--tokens_per_step=4096'], '--mode=ladder does not read tokens_per_step: it times steps of batch_size x'),
     (['--loss_chunk_tokens=-2'], "loss_chunk_tokens=-2: -1 (model.py's), 0 (the plain loss) or a size"),
     (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'")])
 def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
@@ -552,7 +555,8 @@ def test_fit_tries_micro_steps_that_hold_the_gradients(tmp_path, monkeypatch):
         return forward(self, idx, *args, **kwargs)
     monkeypatch.setattr(GPT, 'forward', spy)
     monkeypatch.setattr(bench, 'largest_batch', lambda fits, n: 2 if fits(2) else 0)  # one try per variant
-    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2048'])
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = 2048  # (fit mode's: a ladder refuses it)
     assert bench.fit(env) == 0
     assert any(held), held
 
@@ -582,7 +586,8 @@ def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
         if env.batch_size > 6:
             allocated[0] = 3 << 30
             raise RuntimeError('CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`')
-    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2048'])
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = 2048  # (fit mode's: a ladder refuses it)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: allocated[0])
@@ -631,7 +636,8 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
         elif s['optimizer'] == 'adamw8bit':
             raise RuntimeError('cuDNN error: CUDNN_STATUS_BAD_PARAM')
-    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=2050'])
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = 2050  # (fit mode's: a ladder refuses it)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: next(allocated))
@@ -662,7 +668,8 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
 def test_fit_takes_a_step_of_at_least_one_sequence(tmp_path, monkeypatch):
     # Reference: a step holds whole sequences, at least one: 16 tokens asked of 32-token sequences is one sequence
     monkeypatch.setattr(bench, 'run_rung', lambda s, env: None)  # every size fits
-    env = bench.setup([*TINY, f'--out={tmp_path}', '--tokens_per_step=16'])
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = 16  # (fit mode's: a ladder refuses it)
     assert bench.fit(env) == 0
     record = json.load(open(tmp_path / 'fit.json'))
     assert record['tokens_per_step'] == 32
@@ -1098,6 +1105,9 @@ def test_activation_bytes_leaves_out_buffers_and_counts_prefer_save(monkeypatch)
     assert CheckpointPolicy.MUST_SAVE in asked and preferred == must
 
 
+TRAIN_FIT = ['--batch_size=8', '--gradient_accumulation_steps=4']
+
+
 @pytest.mark.parametrize('part', 'abcde')
 def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
@@ -1108,8 +1118,10 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     script.write_text(open(os.path.join(HERE, '.ci', 'gpu')).read())
     bin_dir, log = tmp_path / 'bin', tmp_path / 'calls.jsonl'
     os.makedirs(bin_dir)
+    # a python that records its arguments; as `python -c`, it answers part d's read of fit.json (batch, accumulation)
     (bin_dir / 'python').write_text(f"#!{sys.executable}\nimport json, sys\n"
-                                    f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+                                    f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                                    f"print('8 4' if sys.argv[1] == '-c' else '')\n")
     (bin_dir / 'nvidia-smi').write_text('#!/bin/sh\n')
     for name in ('python', 'nvidia-smi'):
         os.chmod(bin_dir / name, 0o755)
@@ -1121,6 +1133,7 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     scripts = [c for c in calls if c[0] in ('bench.py', 'train.py')]
     assert scripts and all(c[0] in ('bench.py', 'train.py', '-c') or c[:2] == ['-m', 'pytest'] for c in calls), calls
     monkeypatch.chdir(HERE)  # config files are named from the repository's root
+    assert part != 'd' or ['train.py', *TRAIN_FIT] in [c[:1] + c[-2:] for c in scripts]  # train_fit's run is checked
     for script_name, *argv in scripts:
         if script_name == 'bench.py':
             bench.read_args(argv)

@@ -1047,11 +1047,13 @@ def main(argv):
         try:
             code = train_loop(r)
         except Exception as e:  # in a step or an evaluation: a clear message, not a traceback
-            oom = out_of_memory(e)
+            oom = None if isinstance(e, TrainError) else out_of_memory(e)
             if oom is None:
                 raise
-            raise TrainError(f"out of memory on {r.device} after iteration {r.iter_num} {memory_advice(oom, r)}. "
-                             f"{last_checkpoint(r)}") from None
+            evaluating = not r.model.training  # estimate_loss leaves the model in eval mode when it fails
+            where = 'in the evaluation at' if evaluating else 'in the training step after'
+            raise TrainError(f"out of memory on {r.device} {where} iteration {r.iter_num} "
+                             f"{memory_advice(oom, r, evaluating)}. {last_checkpoint(r)}") from None
         finally:
             if r.wandb:
                 r.wandb.finish(exit_code=code)
@@ -1215,12 +1217,13 @@ def start_or_resume(r):
         say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
             f"the next evaluation's model is written to {r.best_path}")
         r.best_val_loss = math.inf
-        r.last_eval = None  # the checkpoint's evaluation measured something else: at its iteration, evaluate again
+        r.last_eval = None  # its evaluation measured something else: evaluate again if its iteration is one to evaluate
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
 
 
 def best_val_text(loss):
+    """The best val loss for a message: a number, or that no evaluation has given one yet."""
     return f"best val loss {loss:.4f}" if loss < math.inf else "no val loss yet"
 
 
@@ -1458,21 +1461,24 @@ def compile_model(r):
         return r.wrapped, 'FAILED, running eager (see the warning above)'
 
 
-def memory_advice(oom, r):
-    """The line of an out-of-memory error that says so, in brackets, then what to change in this run."""
-    cfg = r.cfg
+def memory_advice(oom, r, evaluating=False):
+    """The line of an out-of-memory error that says so, in brackets, then what would help this run: in an
+    evaluation (no_grad) activation checkpointing would not."""
+    cfg, c = r.cfg, r.model_config
     first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
     ways = [f"lower batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens per step)"
             if cfg.batch_size > 1 else "batch_size is 1 already: a shorter block_size or a smaller model"]
-    ways += {'none': ["activation_checkpointing=selective or full"],
-             'selective': ["activation_checkpointing=full"]}.get(cfg.activation_checkpointing, [])
-    if cfg.batch_size == 1 and cfg.optimizer == 'adamw' and not cfg.optimizer_offload:  # weights and state dominate
-        ways.append("optimizer=adamw8bit or optimizer_offload=True")
+    if not evaluating:
+        ways += {'none': ["activation_checkpointing=selective or full"],
+                 'selective': ["activation_checkpointing=full"]}.get(cfg.activation_checkpointing, [])
+        if cfg.batch_size == 1 and cfg.optimizer == 'adamw' and not (r.world > 1 and cfg.parallelism == 'fsdp'):
+            ways.append("a new run with optimizer=adamw8bit (2 bytes of optimizer state per parameter, not 8)")
     advice = f"({first[:300]}): {'; or '.join(ways)}"
-    if r.device_type == 'cuda':  # bench.py's fit mode, for this run's shape and step
-        c = r.model_config
-        flags = [f'--{k}={getattr(c, k)}' for k in ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size',
-                                                      'block_size')] + [f'--tokens_per_step={tokens_per_iter(cfg)}']
+    # bench.py's fit mode measures its own model (these six settings, the others at their defaults) in bf16 or fp16
+    shape = {k: getattr(c, k) for k in ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size', 'block_size')}
+    if r.device_type == 'cuda' and r.dtype in ('bfloat16', 'float16') and GPTConfig(**shape) == c:
+        flags = [f'--{k}={v}' for k, v in shape.items()] + [f'--tokens_per_step={tokens_per_iter(cfg)}']
+        flags += ['--dtype=float16'] if r.dtype == 'float16' else []
         advice += f"; `python bench.py --mode=fit {' '.join(flags)}` finds the largest batch_size that fits"
     return advice
 
