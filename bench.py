@@ -794,6 +794,7 @@ def setup(argv):
 
 def main(argv):
     env = setup(argv)
+    train.probe_out_dir(env.out, 'out')  # now, not after minutes of measurements
     with rope_variant(env.rope):
         return {'ladder': run_ladder, 'fit': fit, 'profile': profile}[env.mode](env)
 

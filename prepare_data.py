@@ -88,8 +88,8 @@ def default_corpus():
 
 
 def resolve_inputs(input, skip=()):
-    """The files named by a comma-separated list of files, globs and directories, minus `skip`. A name that
-    exists is taken as it is, even with glob characters in it."""
+    """The files named by a comma-separated list of files, globs and directories, minus `skip`, each once. A name
+    that exists is taken as it is, even with glob characters in it."""
     if not input:
         return default_corpus()
     paths = []
@@ -107,7 +107,8 @@ def resolve_inputs(input, skip=()):
         if not found:
             raise ValueError(f"input '{item}' matches no files")
         paths += found
-    return paths
+    seen = set()  # a file that two items name (a folder and a glob in it) is read once: else val text is in train
+    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
 
 SAFE_CUT = re.compile(rb'[!-~]\n(?=[!-~])')  # a newline between two visible ASCII characters

@@ -1156,3 +1156,11 @@ def test_a_rung_without_bitsandbytes_is_skipped_with_advice_for_bench(tmp_path, 
     rung = {r['rung']: r for r in run_ladder(str(tmp_path), '--rungs=11')['rungs']}[11]
     assert rung['status'] == 'skipped' and str(e.value).endswith(', or use optimizer=adamw')
     assert rung['reason'] == str(e.value).removesuffix(', or use optimizer=adamw'), rung['reason']
+
+
+def test_an_out_that_cannot_be_written_is_an_error_before_any_measurement(tmp_path, monkeypatch):
+    # Reference: the ladder never starts (it wrote its results into out only at the end, after every rung).
+    (tmp_path / 'a_file').write_text('x')
+    monkeypatch.setattr(bench, 'ladder', lambda env: pytest.fail('measured before out was checked'))
+    with pytest.raises(train.TrainError, match=re.escape(f"out {tmp_path / 'a_file'} is a file, not a directory")):
+        bench.main([*TINY, f'--out={tmp_path / "a_file"}'])

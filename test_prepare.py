@@ -245,6 +245,9 @@ def test_directories_and_globs(tmp_path):
     for missing in (f'{t}/nope/*.txt', f'{t}/nope.txt', f'{t}/out1/*.md'):
         with pytest.raises(ValueError, match=re.escape(f"input '{missing}' matches no files")):
             prepare(f'{t}/d,{missing}', 'char', f'{t}/out3', 0.5)
+    # a file that two items name, or one by two paths, is read once (twice, the val split's text was in train too)
+    meta = prepare(f'{t}/d/sub, {t}/d/**/*.txt, {t}/d/../d/a.txt', 'char', f'{t}/out4', 0.5)
+    assert meta['sources'] == [f'{t}/d/sub/c.txt', f'{t}/d/sub/deep/e.md', f'{t}/d/a.txt', f'{t}/d/b.txt']
 
 
 def test_a_name_with_glob_characters_that_exists_is_read_as_it_is(tmp_path):
