@@ -12,7 +12,8 @@ config.json, model.safetensors (the safetensors library), generation_config.json
 transformers can express it: tokenizer.json and tokenizer_config.json for tiktoken BPE (gpt2, cl100k_base,
 converted here) and for a Hugging Face tokenizer the data was prepared with (copied from the checkpoint's
 meta). A character-level vocabulary has no transformers tokenizer: the export says so and writes
-char_vocab.json (the characters, in id order) instead.
+char_vocab.json (the characters, in id order) instead. A directory that holds files transformers would read
+beside these (another export's tokenizer, sharded weights: FOREIGN) is refused, never mixed with this export.
 
 The other way, train.py's init_from=hf:PATH reads a Llama or Qwen3 directory through hf_model_args() and
 load_hf_weights(): SmolLM2, Llama 3.2 (with Llama 3's RoPE scaling), Qwen3 (its head_dim set apart from the
@@ -20,6 +21,7 @@ width). Whatever model.py cannot represent (another RoPE scaling, such as yarn, 
 another activation) is refused with a message naming it, never approximated. A checkpoint written by FP8 or
 FSDP training exports like any other: checkpoints hold plain, name-keyed state dicts.
 """
+import glob
 import json
 import os
 import re
@@ -293,6 +295,13 @@ def write_tokenizer(meta, hf_dir, max_len):
     return note
 
 
+# what transformers reads from a model directory besides the files an export writes (model.safetensors, config.json,
+# generation_config.json and its tokenizer's): left there by another export or model, they would load with this one
+FOREIGN = ('model.safetensors.index.json', 'pytorch_model.bin', 'pytorch_model.bin.index.json', 'tokenizer.json',
+           'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model', 'vocab.json', 'merges.txt',
+           'char_vocab.json')
+
+
 def export(ckpt_path, hf_dir, dtype='float32'):
     """Write the checkpoint at ckpt_path as a transformers model directory; returns the lines it printed."""
     from safetensors.torch import save_file
@@ -309,6 +318,12 @@ def export(ckpt_path, hf_dir, dtype='float32'):
     config = hf_config(c, meta.get('eot_token'), dtype)
     tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in to_hf(ckpt['model'], c).items()}
     probe_out_dir(hf_dir, 'hf_dir')  # made and probed: a one-line error naming it
+    ours = {'char_vocab.json'} if meta['tokenizer'] == 'char' else {'tokenizer.json', 'tokenizer_config.json'}
+    stale = [n for n in FOREIGN if n not in ours and os.path.exists(os.path.join(hf_dir, n))]
+    stale += sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(hf_dir), 'model-*.safetensors')))
+    if stale:
+        raise ValueError(f"hf_dir {hf_dir} holds {', '.join(stale)}, which this export does not write and transformers "
+                         f"would load with it (another export's or model's): remove them, or choose another hf_dir")
     weights = os.path.join(hf_dir, 'model.safetensors')
     save_file(tensors, weights, metadata={'format': 'pt'})
     umask = os.umask(0)

@@ -681,6 +681,16 @@ def test_export_bfloat16_and_refusals(tmp_path):
     assert f'hf_dir {tmp_path}/ckpt.pt/hf cannot be created: ' in proc.stderr
     with pytest.raises(train.TrainError, match=re.escape(f"hf_dir {tmp_path / 'ckpt.pt'} is a file, not a directory")):
         export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "ckpt.pt"}'])
+    # a directory holding what transformers would load beside this export (another export's tokenizer, shards):
+    # refused, nothing written; the files of an export of the same kind are overwritten (a re-export)
+    for stale in ('tokenizer.json', 'model-00001-of-00002.safetensors'):
+        os.makedirs(tmp_path / stale / 'hf')
+        (tmp_path / stale / 'hf' / stale).write_text('{}')
+        with pytest.raises(ValueError, match=re.escape(f"hf_dir {tmp_path / stale / 'hf'} holds {stale}, which this "
+                                                       f"export does not write")):
+            export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / stale / "hf"}'])
+        assert os.listdir(tmp_path / stale / 'hf') == [stale]
+    export.main([f'--out_dir={tmp_path}', '--dtype=bfloat16'])  # into out_dir/hf again: its char_vocab.json too
     # a disk that fills up at a file's close, where the error names no file (it said 'export.py: error: : No space')
     os.makedirs(tmp_path / 'full')
     os.symlink('/dev/full', tmp_path / 'full' / 'config.json')
