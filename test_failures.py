@@ -1047,12 +1047,22 @@ def bad_data(kind, d):
         meta.update(dtype='uint17', train_tokens='2000')
         json.dump(meta, open(p('meta.json'), 'w'))
         return p('meta.json'), ["train_tokens='2000'", "dtype='uint17'"]
+    if kind in ('meta-null', 'meta-without-chars', 'meta-short-chars'):  # sample.py could not decode (a traceback)
+        write_data(d)
+        meta = json.load(open(p('meta.json')))
+        if kind == 'meta-without-chars':
+            del meta['chars']
+        meta = None if kind == 'meta-null' else dict(meta, chars=meta['chars'][:5]) if 'chars' in meta else meta
+        json.dump(meta, open(p('meta.json'), 'w'))
+        return p('meta.json'), {'meta-null': ['NoneType'], 'meta-without-chars': ['lacks chars'],
+                                'meta-short-chars': ['5 chars for vocab_size=40']}[kind]
     raise AssertionError(kind)
 
 
 BAD_DATA = ['missing-train.bin', 'missing-val.bin', 'missing-meta.json', 'train-shorter-than-block', 'val-empty',
             'token-id-past-vocab', 'token-id-in-padding', 'meta-count-mismatch', 'odd-byte-count',
-            'meta-without-token-counts', 'meta-not-json', 'meta-wrong-values']
+            'meta-without-token-counts', 'meta-not-json', 'meta-wrong-values', 'meta-null', 'meta-without-chars',
+            'meta-short-chars']
 
 
 @pytest.mark.parametrize('kind', BAD_DATA)

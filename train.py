@@ -253,15 +253,22 @@ def read_meta(data_dir):
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise TrainError(f"{path} is not readable JSON ({e}): prepare the data again") from None
+    if not isinstance(meta, dict):
+        raise TrainError(f"{path} holds {type(meta).__name__}, not the object prepare_data.py writes: prepare the data "
+                         f"again")
     missing = [k for k in ('tokenizer', 'vocab_size', 'dtype', 'train_tokens', 'val_tokens') if k not in meta]
+    missing += ['chars'] if meta.get('tokenizer') == 'char' and 'chars' not in meta else []  # (decoding needs them)
     if missing:
         raise TrainError(f"{path} lacks {', '.join(missing)}: prepare the data again")
     wrong = [f"{k}={meta[k]!r}" for k in ('vocab_size', 'train_tokens', 'val_tokens')
              if type(meta[k]) is not int or meta[k] < 0] + ([] if meta['dtype'] in ('uint16', 'uint32') else
                                                              [f"dtype={meta['dtype']!r}"])
+    if meta['tokenizer'] == 'char' and (not isinstance(meta['chars'], str) or len(meta['chars']) != meta['vocab_size']):
+        wrong.append(f"{len(meta['chars'])} chars for vocab_size={meta['vocab_size']}" if isinstance(meta['chars'], str)
+                     else f"chars={str(meta['chars'])[:40]}")
     if wrong:
-        raise TrainError(f"{path} holds {', '.join(wrong)} (expected counts, and dtype 'uint16' or 'uint32'): "
-                         f"prepare the data again")
+        raise TrainError(f"{path} holds {', '.join(wrong)} (expected counts, dtype 'uint16' or 'uint32', and a "
+                         f"character per id): prepare the data again")
     return meta
 
 
