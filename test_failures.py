@@ -407,6 +407,30 @@ def test_signal_saves_and_prints_the_resume_command(data, tmp_path, capsys, sign
         assert train_iters == list(range(1, 61))  # each iteration logged once, none lost, none repeated
 
 
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+def test_a_second_signal_stops_at_once_and_keeps_the_last_checkpoint(data, tmp_path, monkeypatch, capfd, save_log,
+                                                                      signum):
+    # Reference: ckpt.pt's bytes as saved at the evaluation at iteration 2. Both signals come during the evaluation
+    # at 4 (one that could take minutes): the first would stop after it, the second stops the run there, 128 +
+    # signum, before anything is saved (it waited for the whole evaluation, then saved and exited).
+    real, calls = train.estimate_loss, []
+
+    def estimate_loss(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signum)
+            os.kill(os.getpid(), signum)
+        return real(*a, **k)
+    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    out = tmp_path / 'out'
+    with pytest.raises(SystemExit) as e:
+        train.main(args(data, out, '--eval_interval=2', '--max_iters=8'))
+    assert e.value.code == 128 + signum and len(calls) == 3
+    assert [(name, it) for name, it, _ in save_log][-1] == ('ckpt.pt', 2)
+    assert read_bytes(out / 'ckpt.pt') == save_log[-1][2] and not glob.glob(str(out / '*.tmp'))
+    assert f'{signal.Signals(signum).name} received again: stopping now, without saving' in capfd.readouterr().err
+
+
 def test_last_iteration_is_saved(data, tmp_path, save_log):
     # max_iters=7 with eval_interval=3: evaluations at 0, 3, 6; the run must still end with ckpt.pt at 7.
     out = tmp_path / 'out'

@@ -914,12 +914,17 @@ def resume_command(argv, world):
 
 @contextmanager
 def stop_on_signals():
-    """While inside, SIGTERM and SIGINT set stop['signal'] instead of killing the process."""
+    """While inside, SIGTERM and SIGINT set stop['signal'] instead of killing the process; a second one stops it
+    at once (SystemExit: a save under way is cleaned up, the last checkpoint stays as it was)."""
     stop = {}
 
     def request_stop(signum, frame):
+        name = signal.Signals(signum).name
+        if 'signal' in stop:  # an evaluation or a save can take minutes: the user insists
+            os.write(2, f"\n{name} received again: stopping now, without saving\n".encode())
+            raise SystemExit(128 + signum)
         stop['signal'] = signum
-        os.write(2, f"\n{signal.Signals(signum).name} received: stopping after this step\n".encode())
+        os.write(2, f"\n{name} received: stopping after this step (again: at once, without saving)\n".encode())
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop
