@@ -736,6 +736,8 @@ def read_args(argv):
         raise ConfigError(f"rungs={a['rungs']}: the ladder's rungs are numbered 1 to {total}")
     if a['threads'] < 0:
         raise ConfigError(f"threads={a['threads']}: must be at least 0 (0: torch's default)")
+    if not 0 <= a['seed'] < 2**63:
+        raise ConfigError(f"seed={a['seed']}: must be between 0 and 2**63 - 1, as in train.py")
     if a['loss_chunk_tokens'] < -1:
         raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
     return a

@@ -27,17 +27,22 @@ def read_metrics(out_dir):
     if not os.path.isfile(path):
         raise ValueError(f"{path} not found: {out_dir} is not the out_dir of a training run (yet)")
     records = []
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                if line.endswith('\n'):
-                    raise ValueError(f"{path}, line {n}: not a JSON record: {line[:80]!r}") from None
-                continue
-            if not isinstance(record, dict) or 'iter' not in record:
-                raise ValueError(f"{path}, line {n}: not a record of train.py (an object with 'iter'): {line[:80]!r}")
-            records.append(record)
+    try:
+        with open(path, 'rb') as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e.strerror or e}") from None
+    for n, raw in enumerate(lines, start=1):
+        line = raw.decode('utf-8', errors='replace')
+        try:
+            record = json.loads(raw)  # (bytes that are not UTF-8: a ValueError too)
+        except ValueError:
+            if line.endswith('\n'):
+                raise ValueError(f"{path}, line {n}: not a JSON record: {line[:80]!r}") from None
+            continue
+        if not isinstance(record, dict) or 'iter' not in record:
+            raise ValueError(f"{path}, line {n}: not a record of train.py (an object with 'iter'): {line[:80]!r}")
+        records.append(record)
     if not records:
         raise ValueError(f"{path} is empty: the run has logged nothing yet")
     return records

@@ -6,7 +6,6 @@ Print text from a trained model. The model's shape and the tokenizer come from t
 
 Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file.
 """
-import math
 import sys
 from contextlib import nullcontext
 
@@ -35,8 +34,8 @@ DEFAULTS = dict(
 def main(argv):
     cfg = configure(DEFAULTS, argv, __file__)
     for key, ok in (('num_samples', cfg['num_samples'] >= 1), ('max_new_tokens', cfg['max_new_tokens'] >= 0),
-                    ('temperature', 0 <= cfg['temperature'] < math.inf), ('top_k', cfg['top_k'] >= 0),
-                    ('top_p', 0 < cfg['top_p'] <= 1)):
+                    ('temperature', 0 <= cfg['temperature'] <= torch.finfo(torch.float32).max),  # (finite there)
+                    ('top_k', cfg['top_k'] >= 0), ('top_p', 0 < cfg['top_p'] <= 1), ('seed', 0 <= cfg['seed'] < 2**63)):
         if not ok:
             raise ConfigError(f"{key}={cfg[key]} is out of range (see the defaults in sample.py)")
     check_device(cfg['device'])

@@ -493,6 +493,7 @@ def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
     ('--n_head=3', 'GPTConfig: n_embd=32 is not divisible by n_head=3'),
     ('--n_layer=-1', 'GPTConfig: n_layer=-1 must be positive'),
     ('--threads=-1', 'threads=-1: must be at least 0'),
+    ('--seed=-1', 'seed=-1: must be between 0 and 2**63 - 1'),  # (it was numpy's traceback, where data is missing)
     ('--device=foo', "device='foo': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     ('--device=cuda:7', "device='cuda:7', but this machine has")])
 def test_a_bad_setting_is_a_config_error_naming_it(flag, message):

@@ -123,6 +123,11 @@ def test_missing_or_empty_metrics_are_errors_naming_them(tmp_path, capsys):
         f.write('ss": 1\n{"iter": 5}\n')
     with pytest.raises(ValueError, match=r'metrics\.jsonl, line 6: not a JSON record'):
         plot.read_metrics(good)
+    binary = write_metrics(tmp_path / 'binary', RECORDS)  # bytes that are not UTF-8 (it was a UnicodeDecodeError
+    with open(os.path.join(binary, 'metrics.jsonl'), 'ab') as f:  # naming no file)
+        f.write(b'\xff\xfe\n')
+    with pytest.raises(ValueError, match=rf'metrics\.jsonl, line {len(RECORDS) + 1}: not a JSON record'):
+        plot.read_metrics(binary)
     for line in ('[1, 2]', '{"loss": 1.0}'):  # JSON, but not a record of train.py
         odd = write_metrics(tmp_path / 'odd', [])
         with open(os.path.join(odd, 'metrics.jsonl'), 'w') as f:

@@ -1275,6 +1275,8 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
     ('--temperature=-0.5', 'temperature=-0.5 is out of range'), ('--top_k=-1', 'top_k=-1 is out of range'),
     ('--top_p=0.0', 'top_p=0.0 is out of range'), ('--top_p=1.5', 'top_p=1.5 is out of range'),
     ('--start=', '--start is empty'),
+    ('--temperature=1e39', 'temperature=1e+39 is out of range'),  # inf in float32: a sampling traceback
+    ('--seed=-1', 'seed=-1 is out of range'), ('--seed=9223372036854775808', 'seed=9223372036854775808 is out'),
 ])
 def test_sample_settings_out_of_range_are_config_errors_naming_them(tmp_path, flag, message):
     # Reference: the messages; a ConfigError is sample.py's one-line error, a ValueError from sample_next a traceback
