@@ -552,10 +552,10 @@ def fit(env):
             leak = f"(up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
             row['note'] = f"{row['note']} {leak}".strip()
         variants.append(row)
-        print(f"  {name:<28} " + (f"largest micro-batch {row['micro_batch']}: " if row['micro_batch'] is not None
-                                  else '') + (
-              f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
-              if row['batch_size'] else '') + row['note'], flush=True)
+        largest = '' if row['micro_batch'] is None else f"largest micro-batch {row['micro_batch']}: "  # None: skipped
+        flags = (f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
+                 if row['batch_size'] else '')
+        print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
     os.makedirs(env.out, exist_ok=True)
     with open(os.path.join(env.out, 'fit.json'), 'w') as f:
         keep = ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data')
@@ -720,11 +720,11 @@ def read_args(argv):
     if a['mode'] == 'fit' and a['compile_mode'] != 'default':
         raise ConfigError("--mode=fit runs eager (compile would recompile at every size): compile_mode does not apply")
     # what a mode sets itself, so that a setting it would ignore is no silent no-op
-    unread = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
-              'profile': (('rungs', 'repeats', 'tokens_per_step'), 'profiles the top rung, once'),
-              'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile'),
-                      'searches the micro-batch, eager, each try one warm-up and one timed step of 2 micro-steps')}
-    keys, what = unread[a['mode']]
+    own = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
+           'profile': (('rungs', 'repeats', 'tokens_per_step'), 'profiles the top rung, once'),
+           'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile'),
+                   'searches the micro-batch, eager, each try one warm-up and one timed step of 2 micro-steps')}
+    keys, what = own[a['mode']]
     if unread := [k for k in keys if a[k] != DEFAULTS[k]]:
         raise ConfigError(f"--mode={a['mode']} does not read {', '.join(unread)}: it {what}")
     total = len(LADDER) + len(MEMORY)

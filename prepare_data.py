@@ -107,8 +107,10 @@ def resolve_inputs(input, skip=()):
         if not found:
             raise ValueError(f"input '{item}' matches no files")
         paths += found
-    seen = set()  # a file that two items name (a folder and a glob in it) is read once: else val text is in train
-    return [p for p in paths if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+    once = {}  # a file that two items name (a folder and a glob in it) is read once: else val text is in train
+    for p in paths:
+        once.setdefault(os.path.realpath(p), p)
+    return list(once.values())
 
 
 SAFE_CUT = re.compile(rb'[!-~]\n(?=[!-~])')  # a newline between two visible ASCII characters
