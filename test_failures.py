@@ -1782,9 +1782,26 @@ def test_a_short_block_setting_that_cannot_work_as_meant_is_a_warning(data, tmp_
     # Reference: the flags given. Short windows need both a length and a number of iterations (one alone changes
     # nothing), and short windows for every iteration leave the whole windows that the evaluation uses untrained.
     # The run goes on and says so on stderr, naming the settings; a schedule that ends in time, nothing.
-    assert train.main(args(data, tmp_path / 'out', '--max_iters=2', *flags)) == 0
+    assert train.main(args(data, tmp_path / 'out', '--max_iters=2', '--warmup_iters=1', *flags)) == 0
     warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
     assert len(warnings) == (1 if want else 0) and all(w.startswith(want) for w in warnings), warnings
+
+
+@pytest.mark.parametrize('flags, want', [
+    (['--max_iters=2'], 'warmup_iters=2 is at least max_iters=2: the learning rate only warms up, to 6.67e-03 at '
+                        'the last step (learning_rate=1.00e-02), and never decays'),
+    (['--max_iters=3', '--lr_decay_iters=2'], 'lr_decay_iters=2 is at most warmup_iters=2: the learning rate drops '
+                                              'from its warmup straight to min_lr=1.00e-03'),
+    (['--max_iters=3'], None),
+    (['--max_iters=3', '--lr_decay_iters=3'], None),
+])
+def test_a_learning_rate_schedule_cut_short_is_a_warning(data, tmp_path, capsys, flags, want):
+    # Reference: the schedule by hand (warmup_iters=2, learning_rate 1e-2: the rate of step i < 2 is
+    # 1e-2 * (i + 1) / 3). A warmup as long as the run ends at 2/3 of learning_rate with no decay; a decay that
+    # ends before the warmup does goes straight to min_lr. The run goes on and says so; a schedule that fits, nothing.
+    assert train.main(args(data, tmp_path / 'out', *flags)) == 0
+    warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
+    assert warnings == ([want] if want else []), warnings
 
 
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run

@@ -1015,14 +1015,23 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
 
 
 def setting_warnings(cfg):
-    """Warnings for the APPLIES_ONLY settings that are set but not read in this run, for half of the
-    short-block pair set without the other, and for short blocks that last the whole run."""
+    """Warnings for the APPLIES_ONLY settings that are set but not read in this run, for a learning-rate schedule
+    that never reaches its decay, for half of the short-block pair set without the other, and for short blocks that
+    last the whole run."""
     warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
     warnings += [f"{key}={getattr(cfg, key)!r} has no effect: {other}=0" for key, other in
                  (('short_block_size', 'short_block_iters'), ('short_block_iters', 'short_block_size'))
                  if getattr(cfg, key) and not getattr(cfg, other)]
+    # a schedule cut short (a quick try of a long run's config) trains at a rate its config never meant
+    if cfg.warmup_iters >= cfg.max_iters > 0:
+        warnings.append(f"warmup_iters={cfg.warmup_iters} is at least max_iters={cfg.max_iters}: the learning rate "
+                        f"only warms up, to {get_lr(cfg.max_iters - 1, cfg):.2e} at the last step "
+                        f"(learning_rate={cfg.learning_rate:.2e}), and never decays")
+    elif 0 < cfg.lr_decay_iters <= cfg.warmup_iters:
+        warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is at most warmup_iters={cfg.warmup_iters}: the "
+                        f"learning rate drops from its warmup straight to min_lr={cfg.min_lr:.2e}")
     if cfg.short_block_size and cfg.short_block_iters >= cfg.max_iters > 0:
         warnings.append(f"short_block_iters={cfg.short_block_iters} covers all max_iters={cfg.max_iters} "
                         f"iterations: no step trains on whole windows of block_size={cfg.block_size}, which the "
