@@ -900,6 +900,21 @@ def test_resume_with_changed_training_settings_works_and_prints_them(data, tmp_p
     assert lr5 == [pytest.approx(0.001 + 0.5 * (0.02 - 0.001), rel=1e-12)]
 
 
+@pytest.mark.parametrize('max_iters', [4, 2])
+def test_resume_of_a_finished_run_says_there_is_nothing_to_train(data, tmp_path, capsys, max_iters):
+    # Reference: the finished run's files, byte for byte: resumed with its own max_iters (or a lower one), a run
+    # trains nothing and changes nothing, and says why rather than only "done".
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4')) == 0
+    before = run_files(out)
+    capsys.readouterr()
+    assert train.main(args(data, out, '--eval_interval=2', f'--max_iters={max_iters}', '--init_from=resume')) == 0
+    stdout = capsys.readouterr().out
+    assert (f"nothing to train: max_iters={max_iters}, and the checkpoint is at iteration 4; a higher max_iters "
+            f"trains on\n") in stdout, stdout
+    assert run_files(out) == before
+
+
 def test_resume_counts_the_tokens_each_iteration_took(data, tmp_path):
     # Reference: tokens by hand: 2 iterations of 4 x 8, then 2 of 8 x 8 x 2 micro-batches after a resume that
     # changed the batch, then 2 of 4 x 8 again; before the count, metrics.jsonl multiplied the iteration by the

@@ -1234,6 +1234,9 @@ def start_or_resume(r):
     r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} ({best_val_text(r.best_val_loss)})")
+    if r.iter_num >= cfg.max_iters:  # the run's own config again, to go on: it ends where it started
+        say(f"nothing to train: max_iters={cfg.max_iters}, and the checkpoint is at iteration {r.iter_num}; a higher "
+            f"max_iters trains on")
     if config_diff(saved, vars(cfg), EVAL_KEYS) and r.best_val_loss < math.inf:
         say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
             f"the next evaluation's model is written to {r.best_path}")
