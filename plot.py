@@ -1,10 +1,11 @@
 """
 Plot training runs from their out_dir/metrics.jsonl: train and val loss against iterations and against
 tokens, the learning rate, and tokens/s. train.py draws out_dir/metrics.png with it at each evaluation; on
-the command line it overlays several runs in one PNG, to compare settings.
+the command line it overlays several runs in one image, to compare settings; --out's extension picks the
+format (png, pdf, svg, ...).
 
     python plot.py out-small                          # -> compare.png
-    python plot.py out-a out-b out-c --out=ab.png     # one color per run
+    python plot.py out-a out-b out-c --out=ab.pdf     # one color per run
 
 matplotlib (Agg backend, no display needed) is imported by draw() only: reading and checking the metrics
 costs nothing, and train.py pays for matplotlib at its first evaluation, not at start-up.
@@ -64,8 +65,9 @@ def series(records):
 
 
 def draw(runs, path):
-    """Draw runs ({label: records}) into a PNG at path: written to path.tmp, then renamed over path, so a
-    reader never sees half a file. Returns the matplotlib Figure."""
+    """Draw runs ({label: records}) into an image at path, in the format of its extension (PNG without one):
+    written to path.tmp, then renamed over path, so a reader never sees half a file. Returns the matplotlib
+    Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # see the module docstring
     from matplotlib.figure import Figure
     fig = Figure(figsize=(12, 8))
@@ -91,7 +93,7 @@ def draw(runs, path):
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
     tmp = f'{path}.tmp'
     try:
-        fig.savefig(tmp, format='png', dpi=80)
+        fig.savefig(tmp, format=image_format(path), dpi=80)  # (tmp's extension is .tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -99,11 +101,21 @@ def draw(runs, path):
     return fig
 
 
+def image_format(path):
+    return os.path.splitext(path)[1][1:].lower() or 'png'
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog='plot.py', description='Overlay the metrics.jsonl of training runs.')
     parser.add_argument('out_dirs', nargs='+', help="runs' out_dir folders (each holds metrics.jsonl)")
-    parser.add_argument('--out', default='compare.png', help='the PNG to write (default: compare.png)')
+    parser.add_argument('--out', default='compare.png',
+                        help='the image to write, in the format of its extension (default: compare.png)')
     args = parser.parse_args(argv)
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if image_format(args.out) not in formats:
+        parser.exit(1, f"plot.py: error: --out={args.out}: matplotlib writes no '{image_format(args.out)}' "
+                       f"images; name it .png, .pdf, .svg or another of {', '.join(sorted(formats))}\n")
     runs = {}
     try:
         for out_dir in args.out_dirs:

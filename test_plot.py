@@ -147,6 +147,22 @@ def test_cli_errors_name_what_the_user_gave(tmp_path, capsys):
         assert e.value.code == 1 and message in capsys.readouterr().err
     assert not (tmp_path / 'x.png').exists()
 
+
+def test_cli_writes_the_format_of_the_out_extension(tmp_path, capsys):
+    # Reference: each format's file signature (a PDF named .pdf held PNG bytes); an extension matplotlib cannot
+    # write is an error naming it, before anything is written
+    good = write_metrics(tmp_path / 'good', RECORDS)
+    for name, signature in (('a.pdf', b'%PDF'), ('a.svg', b'<?xml'), ('a.PNG', PNG_SIGNATURE), ('a', PNG_SIGNATURE)):
+        plot.main([good, f'--out={tmp_path / name}'])
+        with open(tmp_path / name, 'rb') as f:
+            assert f.read(len(signature)) == signature, name
+    with pytest.raises(SystemExit) as e:
+        plot.main([good, f'--out={tmp_path / "a.xyz"}'])
+    assert e.value.code == 1
+    assert f"plot.py: error: --out={tmp_path / 'a.xyz'}: matplotlib writes no 'xyz' images" in capsys.readouterr().err
+    assert not (tmp_path / 'a.xyz').exists()
+
+
 # ----------------------------------------------------------------------------------------------------
 # train.py: metrics.png
 
