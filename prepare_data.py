@@ -92,8 +92,11 @@ def resolve_inputs(input, skip=()):
     that exists is taken as it is, even with glob characters in it."""
     if not input:
         return default_corpus()
+    items = [item.strip() for item in input.split(',') if item.strip()]
+    if not items:
+        raise ValueError(f"input {input!r} names no file (commas and spaces only)")
     paths = []
-    for item in filter(None, (item.strip() for item in input.split(','))):
+    for item in items:
         found = []
         literal = os.path.exists(item) or not glob.has_magic(item)  # a file named 'notes [draft].txt' is itself
         for match in [item] if literal else sorted(glob.glob(item, recursive=True)):

@@ -245,6 +245,10 @@ def test_directories_and_globs(tmp_path):
     for missing in (f'{t}/nope/*.txt', f'{t}/nope.txt', f'{t}/out1/*.md'):
         with pytest.raises(ValueError, match=re.escape(f"input '{missing}' matches no files")):
             prepare(f'{t}/d,{missing}', 'char', f'{t}/out3', 0.5)
+    for empty in (',', ' , '):  # no name at all (it was "input too small to split")
+        with pytest.raises(ValueError, match=re.escape(f"input {empty!r} names no file (commas and spaces only)")):
+            prepare(empty, 'char', f'{t}/out3', 0.5)
+    assert not os.path.exists(f'{t}/out3')
     # a file that two items name, or one by two paths, is read once (twice, the val split's text was in train too)
     meta = prepare(f'{t}/d/sub, {t}/d/**/*.txt, {t}/d/../d/a.txt', 'char', f'{t}/out4', 0.5)
     assert meta['sources'] == [f'{t}/d/sub/c.txt', f'{t}/d/sub/deep/e.md', f'{t}/d/a.txt', f'{t}/d/b.txt']
