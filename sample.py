@@ -14,7 +14,7 @@ import torch
 from configurator import configure, ConfigError
 from model import GPT, GPTConfig
 from prepare_data import get_tokenizer
-from train import TrainError, check_device, load_checkpoint, pick_device, pick_dtype
+from train import TrainError, check_device, load_checkpoint, out_of_memory, pick_device, pick_dtype
 
 DEFAULTS = dict(
     out_dir='out',
@@ -72,13 +72,20 @@ def main(argv):
         print(f"sample.py: the prompt's {len(ids)} tokens are cut to the model's block_size, its last "
               f"{model.config.block_size}", file=sys.stderr)
         ids = ids[-model.config.block_size:]
-    x = torch.tensor([ids] * cfg['num_samples'], dtype=torch.long, device=device)
     generator = torch.Generator(device).manual_seed(cfg['seed'])
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
-    with autocast:
-        y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'],
-                           top_k=cfg['top_k'] or None, top_p=cfg['top_p'], vocab_limit=meta['vocab_size'],
-                           generator=generator)
+    try:
+        x = torch.tensor(ids, dtype=torch.long, device=device).repeat(cfg['num_samples'], 1)  # the samples: a batch
+        with autocast:
+            y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'],
+                               top_k=cfg['top_k'] or None, top_p=cfg['top_p'], vocab_limit=meta['vocab_size'],
+                               generator=generator)
+    except Exception as e:
+        if out_of_memory(e) is None:
+            raise
+        raise TrainError(f"out of memory on {device} generating num_samples={cfg['num_samples']} samples at once "
+                         f"(one batch, {len(ids) + cfg['max_new_tokens']} tokens each): fewer samples, or a lower "
+                         f"max_new_tokens") from None
     for row in y.tolist():
         print(decode(row))
         print('-' * 80)

@@ -620,6 +620,22 @@ def test_out_of_memory_advice_on_cuda_runs_fit_mode_on_the_runs_model_and_step(d
         assert a['dtype'] == {'bfloat16': 'auto', 'float16': 'float16'}[dtype]  # auto: bf16 on a GPU that has it
 
 
+def test_the_cpu_allocators_failure_is_out_of_memory_too(data, tmp_path, monkeypatch):
+    # Reference: the error a CPU allocation too large raises (a RuntimeError, not torch.OutOfMemoryError, and
+    # without the words "out of memory"): the same one-line advice as CUDA's, quoting it
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError as e:
+        refused = e
+    assert not isinstance(refused, torch.OutOfMemoryError) and 'out of memory' not in str(refused).lower()
+    raise_in_forward(monkeypatch, lambda training, n: training and n == 5, lambda: refused)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, tmp_path / 'out', '--eval_interval=4', '--max_iters=20'))
+    message = str(e.value)
+    assert message.startswith(f"out of memory on cpu in the training step after iteration 5 ({str(refused)[:300]}): "
+                              f"lower batch_size=4"), message
+
+
 def test_another_error_in_the_loop_is_not_called_out_of_memory(data, tmp_path, monkeypatch):
     # Reference: the error raised, unchanged: only an out-of-memory error becomes the advice.
     raise_in_forward(monkeypatch, lambda training, n: training and n == 2, lambda: RuntimeError('CUDA error: illegal'))
@@ -1441,6 +1457,10 @@ def test_sample_errors_name_the_device_the_checkpoint_and_the_tokenizer(data, tm
     capsys.readouterr()
     sample.main([*base, f'--start={ckpt["meta"]["chars"][0] * 20}'])  # block_size 8
     assert "the prompt's 20 tokens are cut to the model's block_size, its last 8" in capsys.readouterr().err
+    # 2**47 samples of one token: 2**50 bytes, more than any address space, so the CPU allocator refuses at once
+    with pytest.raises(train.TrainError, match=re.escape(f"out of memory on cpu generating num_samples={2**47} "
+                                                         f"samples at once (one batch, 3 tokens each): fewer")):
+        sample.main([*base, f'--num_samples={2**47}', f'--start={ckpt["meta"]["chars"][0]}'])
 
 
 # ----------------------------------------------------------------------------------------------------

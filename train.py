@@ -1489,7 +1489,7 @@ def memory_advice(oom, r, evaluating=False):
     """The line of an out-of-memory error that says so, in brackets, then what would help this run: in an
     evaluation (no_grad) activation checkpointing would not."""
     cfg, c = r.cfg, r.model_config
-    first = next((ln for ln in str(oom).splitlines() if 'out of memory' in ln.lower()), type(oom).__name__)
+    first = next((ln for ln in str(oom).splitlines() if is_oom_text(ln)), type(oom).__name__)
     ways = [f"lower batch_size={cfg.batch_size} and raise gradient_accumulation_steps (same tokens per step)"
             if cfg.batch_size > 1 else "batch_size is 1 already: a shorter block_size or a smaller model"]
     if not evaluating:
@@ -1519,10 +1519,14 @@ def out_of_memory(e):
     for _ in range(20):  # the chain of causes, never a cycle
         if e is None:
             return None
-        if isinstance(e, torch.OutOfMemoryError) or 'out of memory' in str(e).lower():
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or is_oom_text(str(e)):
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def is_oom_text(text):  # CUDA's and MPS's words, and the CPU allocator's
+    return 'out of memory' in text.lower() or "can't allocate memory" in text
 
 
 def start_wandb(r):
