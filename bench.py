@@ -324,6 +324,8 @@ def run_rung(s, env, timed=nullcontext):
     except train.TrainError as e:  # no bitsandbytes, no torchao, ...: the rung is skipped
         raise BenchError(str(e).removesuffix(', or use optimizer=adamw')) from None  # (train.py's advice, not ours)
     mode = None if env.compile_mode == 'default' else env.compile_mode
+    if s['compile']:  # (CUDA graphs keep no gradient across micro-steps: train.py's copy, as in its runs)
+        train.gradients_out_of_cuda_graphs(model, env.compile_mode, env.device_type, env.gradient_accumulation_steps)
     net = torch.compile(model, mode=mode) if s['compile'] else model
     batches = train.Batches(env.tokens, env.batch_size, env.block_size, env.device, env.seed,
                             env.gradient_accumulation_steps)

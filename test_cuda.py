@@ -6,7 +6,8 @@ a checkpoint written with 8 visible GPUs restored with 1; every parameter of tor
 taking the scheduled learning rate after a resume; a resumed paged_adamw8bit keeping its state in (fake)
 paged buffers, without leaking the buffers of a phantom step; DDP + compile + activation checkpointing
 turning Dynamo's DDP graph splitting off; an out-of-memory error in the compile warm-up stopping the run
-with advice instead of falling back to eager; no graph compiled after the compile warm-up (a batch of one
+with advice instead of falling back to eager; gradients accumulated over micro-steps copied out of CUDA graph
+memory (emulated), and only then; no graph compiled after the compile warm-up (a batch of one
 included); the peak FLOP/s of each GPU, by the name CUDA reports; one read of a device value per optimizer
 step, none per micro-step. Each is checked against a reference: the uninterrupted run, the state saved,
 Dynamo's own compiles, datasheet figures, the ops that make the host wait.
@@ -16,7 +17,8 @@ Part 2 needs a CUDA GPU (skipped without one): a small real model (4 layers x 25
 reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload and fused AdamW without clipping as its
 reference, FP8 tensorwise and rowwise under compile, activation checkpointing full and selective under
 compile) and resumed from its iteration-12 checkpoint: the loss falls, the resumed run repeats the
-uninterrupted one, compile made no graph break, peak memory is reported. Also: one process under torchrun
+uninterrupted one, compile made no graph break, peak memory is reported; reduce-overhead (CUDA graphs) with
+gradient accumulation trains as compile's default mode. Also: one process under torchrun
 matches the plain run, 2-process DDP with compile and activation checkpointing stays compiled, sample.py
 samples from an FP8-trained checkpoint, a step waits for the GPU once (CUDA's sync debug mode; not run on a
 GPU yet). On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
@@ -449,7 +451,7 @@ def warm_up_run(model, iter_num=0, world=1, **cfg):
     call and the evaluation."""
     x, y = batches(1)[0].next()
     return SimpleNamespace(cfg=opt_cfg(compile=True, **cfg), iter_num=iter_num, world=world, model=model,
-                           wrapped=model, device='cpu', device_type='cpu',
+                           wrapped=model, device='cpu', device_type='cpu', accum_steps=1,
                            optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
                            batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
                            eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})
@@ -792,6 +794,69 @@ def test_a_step_reads_device_values_after_its_micro_steps(setting):
     assert counter.reads == (['micro-batch'] * 3 + ['read'] * (4 if setting == 'fp16' else 1)) * 3
 
 
+class GraphMemoryLinear(torch.autograd.Function):
+    """x @ w.T whose weight gradient is handed out as a CUDA graph replay hands out its outputs: a view of one
+    buffer that the next replay (here: the next forward) writes over."""
+    @staticmethod
+    def forward(ctx, x, w, buffer):
+        buffer.fill_(float('nan'))  # the replay's memory reused
+        ctx.save_for_backward(x, w)
+        ctx.buffer = buffer
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        ctx.buffer.copy_(grad.flatten(0, -2).t() @ x.flatten(0, -2))
+        return grad @ w, ctx.buffer.view_as(ctx.buffer), None
+
+
+class GraphMemoryModel(torch.nn.Module):
+    """A linear regression whose weight gradient lives in graph memory (graphed=True), or in memory of its own."""
+    def __init__(self, graphed):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+        self.graphed, self.buffer = graphed, torch.empty(3, 4)
+
+    def forward(self, x, y, label_smoothing=0.0):
+        out = GraphMemoryLinear.apply(x, self.weight, self.buffer) if self.graphed else x @ self.weight.t()
+        return None, ((out - y) ** 2).mean()
+
+
+@pytest.mark.parametrize('copied', [False, True])
+def test_accumulated_gradients_survive_cuda_graph_memory(copied):
+    # Reference: the same steps with gradients in memory of their own. Under CUDA graphs the backward's outputs
+    # live in the graphs' memory, which the next micro-step's forward overwrites, and autograd keeps the first
+    # gradient of a step as the parameter's .grad (pytorch/pytorch#169545): accumulated over 3 micro-steps, the
+    # gradient is then wrong without the copy of train.gradients_out_of_cuda_graphs, and right with it.
+    data = torch.Generator().manual_seed(1)
+    micro = [(torch.randn(2, 5, 4, generator=data), torch.randn(2, 5, 3, generator=data)) for _ in range(6)]
+    weights = {}
+    for graphed in (False, True):
+        model = GraphMemoryModel(graphed)
+        if graphed and copied:
+            assert train.gradients_out_of_cuda_graphs(model, 'reduce-overhead', 'cuda', 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = SimpleNamespace(next=iter(micro).__next__)
+        for _ in range(2):
+            _, _, ok = train.train_step(model, optimizer, NO_SCALER, batches, 3, contextlib.nullcontext(), 0.0)
+            assert ok
+        weights[graphed] = model.weight.detach()
+    assert torch.allclose(weights[True], weights[False], rtol=0, atol=1e-6) == copied, weights
+
+
+@pytest.mark.parametrize('mode, device_type, accum_steps, applies', [
+    ('reduce-overhead', 'cuda', 2, True), ('max-autotune', 'cuda', 2, True),
+    ('max-autotune-no-cudagraphs', 'cuda', 2, False), ('default', 'cuda', 2, False),
+    ('reduce-overhead', 'cpu', 2, False), ('reduce-overhead', 'cuda', 1, False)])
+def test_gradients_are_copied_only_under_cuda_graphs_with_accumulation(mode, device_type, accum_steps, applies):
+    # Reference: torch.compile's documented modes (only reduce-overhead and max-autotune record CUDA graphs, and
+    # only on CUDA); without accumulation every gradient is used before the next forward: nothing to copy.
+    model = GraphMemoryModel(graphed=False)
+    assert train.gradients_out_of_cuda_graphs(model, mode, device_type, accum_steps) == applies
+    assert bool(model.weight._backward_hooks) == applies
+
+
 # ====================================================================================================
 # Part 2: on a CUDA GPU
 
@@ -942,6 +1007,31 @@ def test_branch_trains_and_resumes(branch, tmp_path, monkeypatch, gpu_data, dete
             assert 'paged CUDA managed memory' in line, line
         line = next(ln for ln in out_b.splitlines() if ln.startswith('  optimizer state '))
         assert 'paged CUDA managed memory' in line and 'from the first step' not in line, line
+
+
+@gpu
+def test_cuda_graphs_with_accumulation_train_as_compile_default(tmp_path, gpu_data, deterministic_cuda):
+    # Reference: compile's default mode, the same kernels without CUDA graphs, 2 micro-steps per step. Under
+    # reduce-overhead the first micro-step's gradients were kept in the graphs' memory, overwritten by the second
+    # forward (pytorch/pytorch#169545): an error, or other losses. The copy must leave the losses as they are.
+    runs, outs = {}, {}
+    for mode in ('default', 'reduce-overhead'):
+        out_dir = tmp_path / mode
+        outs[mode], breaks, seconds = gpu_run(COMMON + SMALL + [
+            '--compile=True', f'--compile_mode={mode}', '--gradient_accumulation_steps=2',
+            f'--data_dir={gpu_data}', f'--out_dir={out_dir}'])
+        assert breaks == {}, breaks
+        runs[mode] = losses(read_metrics(out_dir))
+    assert "first gradients copied out of the CUDA graphs" in outs['reduce-overhead']
+    assert "copied out" not in outs['default']
+    want, got = runs['default'], runs['reduce-overhead']
+    assert got.keys() == want.keys() and len(want) >= 24, (sorted(got), sorted(want))
+    diff = max(abs(got[k] - want[k]) / abs(want[k]) for k in want)
+    trained = [v for (it, k), v in sorted(want.items()) if k == 'loss']
+    SUMMARY.append(dict(branch='compile reduce-overhead, accumulation 2 (vs default)', first=trained[0],
+                        last=trained[-1], peak='', diff='exact' if diff == 0 else f'{diff:.2e}', seconds=seconds))
+    assert trained[-1] < 0.5 * trained[0], trained
+    assert diff <= 1e-4, f"reduce-overhead vs default: max relative difference {diff:.3g}\n{got}\n{want}"
 
 
 @gpu

@@ -780,6 +780,21 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     return loss_sum, norm, ok
 
 
+def gradients_out_of_cuda_graphs(model, compile_mode, device_type, accum_steps):
+    """NOTE: under CUDA graphs (compile modes reduce-overhead and max-autotune) the backward's gradients are
+    outputs in the graphs' own memory, which the next replay, the next micro-step's forward, overwrites: a
+    gradient kept across micro-steps to accumulate is an error, or silently wrong (pytorch/pytorch#169545; torch
+    2.11 to 2.13). With accumulation, a hook copies each parameter's first gradient of a step out of that memory;
+    the later ones add into the copy (one copy of the gradients per step). Returns whether it applies."""
+    cuda_graphs = torch._inductor.list_mode_options(compile_mode).get('triton.cudagraphs', False)
+    if not (cuda_graphs and device_type == 'cuda' and accum_steps > 1):
+        return False
+    for p in model.parameters():
+        if p.requires_grad:  # p.grad is None until a step's first gradient: train_step zeroes with set_to_none
+            p.register_hook(lambda grad, p=p: grad.clone() if p.grad is None else grad)
+    return True
+
+
 @torch.no_grad()
 def estimate_loss(model, splits, autocast):
     """Mean loss over each split's batches (Batches: a draw of `groups`; Windows: all its windows), shared among
@@ -1456,6 +1471,8 @@ def compile_model(r):
         # would fail and the run train eager. One graph instead: gradients are all-reduced after the backward.
         torch._dynamo.config.optimize_ddp = False
         note += ', one graph under DDP (optimize_ddp off for activation checkpointing: no all-reduce overlap)'
+    if gradients_out_of_cuda_graphs(r.model, cfg.compile_mode, r.device_type, r.accum_steps):
+        note += ", each step's first gradients copied out of the CUDA graphs (accumulation)"
     compiled = torch.compile(r.wrapped, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     # short_block_size: each window's shape is compiled now too, not at its first step (in the timed figures)
     windows = {window_at(i, cfg) for i in range(r.iter_num, min(cfg.max_iters, cfg.short_block_iters))}
