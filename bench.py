@@ -512,6 +512,11 @@ def split_step(n, micro_batch):
     return n // accum, accum
 
 
+FIT_VARIANTS = [('as is', {}), ('act. ckpt full', dict(checkpointing='full')),
+                ('8-bit AdamW', dict(optimizer='adamw8bit')),
+                ('act. ckpt full + 8-bit AdamW', dict(checkpointing='full', optimizer='adamw8bit'))]
+
+
 def fit(env):
     # rung 7: eager, since compile would recompile for every size; compiled code usually needs less memory
     s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True,
@@ -523,9 +528,11 @@ def fit(env):
     print(f"fit: {env.meta['device']}, {env.meta['params'] / 1e6:.1f}M params, block_size {env.block_size}, "
           f"{precision(s, env.fp8_recipe)}, eager; {n * env.block_size:,} tokens per optimizer step")
     variants = []
-    for name, change in [('as is', {}), ('act. ckpt full', dict(checkpointing='full')),
-                         ('8-bit AdamW', dict(optimizer='adamw8bit')),
-                         ('act. ckpt full + 8-bit AdamW', dict(checkpointing='full', optimizer='adamw8bit'))]:
+    os.makedirs(env.out, exist_ok=True)
+    keep = ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data')
+    record = dict({k: env.meta[k] for k in keep}, bench_variants=env.meta['variants'],
+                  tokens_per_step=n * env.block_size, complete=False, variants=variants)
+    for name, change in FIT_VARIANTS:
         failures, held = [], []
 
         def fits(batch):
@@ -558,12 +565,9 @@ def fit(env):
         flags = (f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
                  if row['batch_size'] else '')
         print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
-    os.makedirs(env.out, exist_ok=True)
-    with open(os.path.join(env.out, 'fit.json'), 'w') as f:
-        keep = ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data')
-        record = dict({k: env.meta[k] for k in keep}, bench_variants=env.meta['variants'])
-        record.update(tokens_per_step=n * env.block_size, variants=variants)
-        json.dump(record, f, indent=1)
+        record['complete'] = len(variants) == len(FIT_VARIANTS)
+        with open(os.path.join(env.out, 'fit.json'), 'w') as f:  # after each variant: a run cut short keeps its rows
+            json.dump(record, f, indent=1)
     return 0
 
 

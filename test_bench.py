@@ -470,6 +470,25 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
     # a skipped variant says so, without a micro-batch (it printed 'largest micro-batch None')
     assert '  act. ckpt full + 8-bit AdamW skipped: optimizer=adamw8bit needs bitsandbytes\n' in printed, printed
     assert json.load(open(tmp_path / 'fit.json'))['bench_variants']['sdpa_backend'] == 'auto'
+    assert json.load(open(tmp_path / 'fit.json'))['complete'] is True
+
+
+def test_fit_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
+    # Reference: the first variant's search, done before the cut. A fit run stopped in its second variant (a
+    # time limit's signal, Ctrl-C) left no fit.json at all: it was written once, at the end.
+    def fake_run_rung(s, env):
+        if s['checkpointing'] == 'full':
+            raise KeyboardInterrupt
+        if env.batch_size > 20:
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory')
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = 2048
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    with pytest.raises(KeyboardInterrupt):
+        bench.fit(env)
+    record = json.load(open(tmp_path / 'fit.json'))
+    assert record['complete'] is False and [v['variant'] for v in record['variants']] == ['as is']
+    assert (record['variants'][0]['micro_batch'], record['variants'][0]['batch_size']) == (20, 16)
 
 
 @pytest.mark.parametrize('flags, message', [
