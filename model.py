@@ -58,7 +58,7 @@ class GPTConfig:
     x0_mix: bool = False       # each block after the first adds a learned multiple (from 0) of the token embeddings
     # derived in __post_init__
     head_dim: int = 0          # 0: n_embd // n_head; set apart from the width in Qwen3 (128 at width 1024, 16 heads)
-    mlp_hidden: int = 0        # 0: 8/3 n_embd (4 n_embd for gelu) rounded up to a multiple of 64; published models
+    mlp_hidden: int = 0        # 0: 8/3 n_embd (4 n_embd for gelu, relu2) rounded up to 64s; published models
                                # set their own (Llama 3.2 1B: 8192 at width 2048, where 8/3 gives 5504)
     # Llama 3's RoPE scaling (Llama 3.1 and 3.2; llama3_scaling): 0 is off
     rope_scaling_factor: float = 0.0

@@ -13,14 +13,15 @@ and train_loop() runs a loop free of option branches.
 
 Every default below can be overridden by config files and --key=value flags (configurator.py: unknown
 keys and wrong types are errors; check_config: values out of range are errors; setting_warnings: a setting
-that has no effect in this run is named). Features, each findable by name:
+that has no effect in this run, or a learning-rate schedule cut short, is named). Features, each findable by name:
 - device and dtype chosen once (pick_device, pick_dtype): cuda > mps > cpu; bf16 autocast where the GPU
-  has it, else fp16 with a GradScaler; float32 on CPU (bf16 on request, or where native: cpu_has_bf16);
-  TF32 matmuls on CUDA.
+  has it, else fp16 with a GradScaler; float32 on CPU (bf16 on request: dtype=bfloat16, or
+  dtype=bfloat16_if_native where the CPU has bf16 units: cpu_has_bf16); TF32 matmuls on CUDA.
 - data (read_meta, load_tokens, Batches): memory-mapped token files, checked before training; seeded
   random windows; pinned memory and non-blocking copies on CUDA; the next batch is prefetched; the first
   short_block_iters steps can train on shorter windows, growing to block_size (window_at, in_windows).
-- train_step: gradient accumulation (loss / k per micro-step), gradient clipping, a guard that keeps
+- train_step: gradient accumulation (loss / k per micro-step; under CUDA graphs the first gradients copied out
+  of the graphs' memory: gradients_out_of_cuda_graphs), gradient clipping, a guard that keeps
   non-finite losses and gradients away from the weights (max_nonfinite_steps in a row stop the run; weights
   that are not finite are never saved: weights_finite).
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
@@ -41,15 +42,17 @@ that has no effect in this run is named). Features, each findable by name:
   overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
-- SIGTERM/SIGINT: finish the step, save, exit with the command that resumes. Out of GPU memory in a step or an
-  evaluation: a one-line error with what to change (memory_advice) and the last checkpoint (last_checkpoint).
+- SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
+  Out of memory in a step or an evaluation: a one-line error with what to change (memory_advice) and the last
+  checkpoint (last_checkpoint).
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
   out_dir/metrics.jsonl gets the loss, lr, tokens/s, MFU, peak memory and the eval losses, each line with the
-  tokens so far and time_s (wall seconds since the process started), drawn into out_dir/metrics.png at each
-  evaluation (plot_metrics, with plot.py) and, with wandb_log=True, sent to Weights & Biases (start_wandb);
+  tokens so far and time_s (wall seconds since the process started), drawn into out_dir/metrics.png at the
+  evaluations at least PLOT_EVERY_S apart and at the last (plot_metrics, with plot.py) and, with
+  wandb_log=True, sent to Weights & Biases (start_wandb);
   the optimizer state's bytes per parameter and where it lives (state_where: GPU, CPU or paged managed memory).
 """
 import time
@@ -257,12 +260,14 @@ def read_meta(data_dir):
         raise TrainError(f"{path} holds {type(meta).__name__}, not the object prepare_data.py writes: prepare the data "
                          f"again")
     missing = [k for k in ('tokenizer', 'vocab_size', 'dtype', 'train_tokens', 'val_tokens') if k not in meta]
-    missing += ['chars'] if meta.get('tokenizer') == 'char' and 'chars' not in meta else []  # (decoding needs them)
+    if meta.get('tokenizer') == 'char' and 'chars' not in meta:  # decoding needs them
+        missing.append('chars')
     if missing:
         raise TrainError(f"{path} lacks {', '.join(missing)}: prepare the data again")
     wrong = [f"{k}={meta[k]!r}" for k in ('vocab_size', 'train_tokens', 'val_tokens')
-             if type(meta[k]) is not int or meta[k] < 0] + ([] if meta['dtype'] in ('uint16', 'uint32') else
-                                                             [f"dtype={meta['dtype']!r}"])
+             if type(meta[k]) is not int or meta[k] < 0]
+    if meta['dtype'] not in ('uint16', 'uint32'):
+        wrong.append(f"dtype={meta['dtype']!r}")
     if meta['tokenizer'] == 'char' and (not isinstance(meta['chars'], str) or len(meta['chars']) != meta['vocab_size']):
         wrong.append(f"{len(meta['chars'])} chars for vocab_size={meta['vocab_size']}" if isinstance(meta['chars'], str)
                      else f"chars={str(meta['chars'])[:40]}")
@@ -308,6 +313,7 @@ class Batches:
         self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
         self.device, self.seed = torch.device(device), seed
         self.groups, self.rank, self.world = groups, rank, world
+        self.eval_total = groups  # what eval_batches' weights add up to, over all processes
         self.share = len(range(rank, groups, world))  # micro-batches of each draw that are this rank's
         if self.share == 0:
             raise ValueError(f"process {rank} of {world} gets no micro-batch of a draw of {groups}")
@@ -354,10 +360,6 @@ class Batches:
         for i in range(math.ceil(self.groups / self.world)):
             yield (*self.next(), 1) if i < self.share else (*self.next_batch, 0)
 
-    @property
-    def eval_total(self):
-        return self.groups
-
 
 class Windows:
     """Every non-overlapping window of block_size + 1 tokens of a split, in order, batch_size windows per
@@ -368,6 +370,7 @@ class Windows:
         self.tokens, self.batch_size, self.block_size, self.device = tokens, batch_size, block_size, device
         self.rank, self.world = rank, world
         self.count = (len(tokens) - 1) // block_size  # windows; load_tokens makes it at least 1
+        self.eval_total = self.count  # what eval_batches' weights add up to, over all processes
         self.n_batches = math.ceil(self.count / batch_size)
 
     def batch(self, i):
@@ -383,10 +386,6 @@ class Windows:
         for i in range(self.rank, self.world * math.ceil(self.n_batches / self.world), self.world):
             x, y = self.batch(i if i < self.n_batches else 0)
             yield x, y, (x.size(0) if i < self.n_batches else 0)
-
-    @property
-    def eval_total(self):
-        return self.count
 
 
 def eval_splits(cfg, train_tokens, val_tokens, device, rank, world):
@@ -988,7 +987,8 @@ RANGES = [
 
 def check_config(cfg):
     """Raise a ConfigError naming the first setting that is not one of its CHOICES or outside its RANGES, or a
-    device this machine does not have. Cross-checks that need the data or the model come later, in setup."""
+    device this machine does not have. What depends on the number of processes is checked in main, what needs the
+    data, the model or the device in setup."""
     for key, allowed in CHOICES.items():
         if getattr(cfg, key) not in allowed and not (key == 'init_from' and is_hf(cfg) and cfg.init_from[3:]):
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -1277,12 +1277,14 @@ def complete_model_args(model_args):
 
 def vocabulary_mismatch(ckpt_meta, data_meta):
     """None if a checkpoint's vocabulary (prepare_data.vocabulary) is the data's, else what differs, briefly."""
-    if vocabulary(ckpt_meta) == vocabulary(data_meta):
+    (kind, old), (new_kind, new) = vocabulary(ckpt_meta), vocabulary(data_meta)
+    if (kind, old) == (new_kind, new):
         return None
-    old, new = vocabulary(ckpt_meta)[1], vocabulary(data_meta)[1]
-    if ckpt_meta['tokenizer'] == data_meta['tokenizer'] == 'char' and old and new:
+    if kind == new_kind == 'char' and old and new:
         a, b = set(old), set(new)
-        only = lambda s: repr(''.join(sorted(s))[:40]) + ('...' if len(s) > 40 else '') if s else 'none'  # noqa: E731
+
+        def only(chars):
+            return repr(''.join(sorted(chars))[:40]) + ('...' if len(chars) > 40 else '') if chars else 'none'
         return (f"the checkpoint has {len(old)} characters, the data {len(new)}; only in the checkpoint's: "
                 f"{only(a - b)}; only in the data's: {only(b - a)}" if a != b else
                 f"the same {len(old)} characters, in another order")
@@ -1482,13 +1484,12 @@ def compile_model(r):
             for window in [x.size(1)] + sorted(windows - {x.size(1)}):  # block_size first
                 with r.autocast:
                     compiled(*in_windows(x, y, window), label_smoothing=cfg.label_smoothing)[1].backward()
+                r.optimizer.zero_grad(set_to_none=True)  # no gradient kept across calls (CUDA graphs: see above)
             compiled.eval()
             with torch.no_grad(), r.autocast:
                 for batch in eval_warm_up(r.eval_splits):  # their strides are not the training batches' (Windows)
                     compiled(*batch)
             compiled.train()
-        r.optimizer.zero_grad(set_to_none=True)
-        return compiled, note
     except Exception as e:
         oom = out_of_memory(e)
         if oom is not None:
@@ -1497,9 +1498,10 @@ def compile_model(r):
         bar = '!' * 100
         print(f"{bar}\nWARNING: torch.compile failed; training continues UNCOMPILED (slower, same math).\n"
               f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
-        r.optimizer.zero_grad(set_to_none=True)
         r.model.train()
-        return r.wrapped, 'FAILED, running eager (see the warning above)'
+        compiled, note = r.wrapped, 'FAILED, running eager (see the warning above)'
+    r.optimizer.zero_grad(set_to_none=True)  # the warm-up's gradients: the first step starts from none
+    return compiled, note
 
 
 def memory_advice(oom, r, evaluating=False):
@@ -1596,8 +1598,8 @@ def report(r):
     say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
-    for warning in setting_warnings(cfg) if r.master else []:
-        print(f"warning: {warning}", file=sys.stderr)
+    for warning in setting_warnings(cfg):
+        say(f"warning: {warning}", file=sys.stderr)
 
 
 def evals_left(it, cfg):
@@ -1626,6 +1628,7 @@ def save(r, *paths):
              'batches': r.batches.state_dict(), 'rng': rngs, 'argv': list(r.argv), 'init_from': r.init_from,
              'evaluated': r.last_eval == r.iter_num}
     on_master(r, lambda: [save_checkpoint(path, state) for path in paths])
+    r.saved_iter = r.iter_num
 
 
 def optimizer_state(r):
@@ -1687,29 +1690,24 @@ def plot_metrics(r, final=False):
         print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
 
 
+def evaluate(r):
+    """Evaluate, log, draw, checkpoint (best.pt too when the val loss improved); returns the seconds it all took."""
+    start = time.time()
+    losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
+    r.say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
+    log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, **{f'{k}_loss': loss for k, loss in losses.items()}})
+    plot_metrics(r, final=r.iter_num >= r.cfg.max_iters)  # the last one is drawn whatever the time
+    r.last_eval = r.iter_num
+    improved = losses['val'] < r.best_val_loss
+    r.best_val_loss = min(r.best_val_loss, losses['val'])
+    save(r, *([r.best_path] if improved else []), r.ckpt_path)
+    return time.time() - start
+
+
 def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval and at the end, step, log; returns the
     exit code."""
     cfg, say, world = r.cfg, r.say, r.world
-
-    resume_cmd = resume_command(r.argv, world)
-
-    def evaluate():
-        nonlocal t0, t0_iter, eval_s
-        start = time.time()
-        losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
-        say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
-        log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens,
-                        **{f'{split}_loss': loss for split, loss in losses.items()}})
-        plot_metrics(r, final=r.iter_num >= cfg.max_iters)  # the last one is drawn whatever the time
-        r.last_eval = r.iter_num
-        improved = losses['val'] < r.best_val_loss
-        r.best_val_loss = min(r.best_val_loss, losses['val'])
-        save(r, *([r.best_path] if improved else []), r.ckpt_path)
-        r.saved_iter = r.iter_num
-        t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
-        eval_s = t0 - start  # evaluation, plot and checkpoints: the time left counts those to come
-
     with stop_on_signals() as stop:
         if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
             set_rng_state(r.rng[r.rank])
@@ -1721,7 +1719,8 @@ def train_loop(r):
         while True:
             # every eval_interval, and at the end (max_iters need not be a multiple of it)
             if (r.iter_num % cfg.eval_interval == 0 or r.iter_num >= cfg.max_iters) and r.last_eval != r.iter_num:
-                evaluate()
+                eval_s = evaluate(r)  # evaluation, plot and checkpoints: the time left counts those to come
+                t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
             if r.iter_num >= cfg.max_iters:
                 break
             lr = get_lr(r.iter_num, cfg)
@@ -1731,25 +1730,22 @@ def train_loop(r):
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
                                         cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
             r.iter_num, r.tokens = r.iter_num + 1, r.tokens + tokens_per_iter(cfg)
+            bad_steps = 0 if ok else bad_steps + 1
             if not ok:
-                bad_steps, skipped = bad_steps + 1, skipped + 1
+                skipped += 1
                 say(f"iter {r.iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
                     f"step skipped ({bad_steps} in a row)", file=sys.stderr)
                 if bad_steps >= cfg.max_nonfinite_steps:
                     raise TrainError(f"iteration {r.iter_num}: {bad_steps} consecutive steps with a non-finite loss "
                                      f"or gradient; stopping. {last_checkpoint(r)}; lower learning_rate or check "
                                      f"the data")
-            else:
-                bad_steps = 0
-            if ok and r.iter_num % cfg.log_interval == 0:
+            elif r.iter_num % cfg.log_interval == 0:
                 loss = loss.item()  # the one sync of a log step
-                dt = time.time() - t0
-                ms_per_iter = 1000 * dt / max(1, r.iter_num - t0_iter)
-                tokens_per_sec = tokens_per_iter(cfg) * (r.iter_num - t0_iter) / dt
+                n, dt = r.iter_num - t0_iter, time.time() - t0  # n >= 1: t0_iter is set before a step
+                ms_per_iter, tokens_per_sec = 1000 * dt / n, tokens_per_iter(cfg) * n / dt
                 # per GPU, at the mean window of the steps since t0 (FLOPs per token are linear in it)
-                steps = range(t0_iter, r.iter_num)
-                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype,
-                                           sum(window_at(i, cfg) for i in steps) / max(1, len(steps)))
+                mean_window = sum(window_at(i, cfg) for i in range(t0_iter, r.iter_num)) / n
+                mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, mean_window)
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000 + evals_left(r.iter_num, cfg) * eval_s
                 say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
@@ -1771,7 +1767,7 @@ def train_loop(r):
                 save(r, r.ckpt_path)
                 signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
                 say(f"{signal.Signals(signum).name}: saved {r.ckpt_path} at iteration {r.iter_num}. Resume with:\n"
-                    f"  {resume_cmd}")
+                    f"  {resume_command(r.argv, world)}")
                 return 128 + signum
         if r.saved_iter != r.iter_num:
             save(r, r.ckpt_path)
