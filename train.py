@@ -407,9 +407,6 @@ def eval_warm_up(splits):
             yield batches.batch(batches.n_batches - 1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# optimization
-
 def window_at(it, cfg):
     """The window length that iteration `it` trains on: short_block_size, doubled at equal steps of
     short_block_iters (64, 128 for block_size 256: each for half of them), then block_size."""
@@ -427,6 +424,9 @@ def in_windows(x, y, window):
         return x, y
     return x.reshape(-1, window), y.reshape(-1, window)
 
+
+# ----------------------------------------------------------------------------------------------------
+# optimization
 
 def get_lr(it, cfg):
     """Linear warmup for warmup_iters, a decay to min_lr at lr_decay_iters, min_lr after. The decay is
@@ -649,6 +649,18 @@ def state_where(optimizer):
         where[place] = where.get(place, 0) + t.numel() * t.element_size()
     total = sum(where.values()) or 1
     return ', '.join(f'{100 * n / total:.3g}% {place}' for place, n in sorted(where.items(), key=lambda kv: -kv[1]))
+
+
+def optimizer_state(r):
+    """The optimizer's state dict, keyed by parameter name, so that it loads under any number of processes."""
+    if r.cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
+        return r.optimizer.state_dict()
+    opts = optimizers(r.optimizer)
+    # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
+    # taking a zero-gradient step, which counts as a step in AdamW's bias correction
+    if not agree(any(opt.state for opt in opts), r.device):
+        return None
+    return get_optimizer_state_dict(r.model, opts, options=FULL_STATE)
 
 
 def load_optimizer_state(r, state):
@@ -905,6 +917,19 @@ def agree(flag, device, every=True):
     return bool(t)
 
 
+def on_master(r, work):
+    """Run work() on process 0, which alone writes files, then stop every process with its TrainError, if it
+    raised one: none is left waiting for the others at the next collective."""
+    error = None
+    if r.master:
+        try:
+            work()
+        except TrainError as e:
+            error = e
+    if not agree(error is None, r.device):
+        raise error or TrainError("process 0 stopped with an error (it prints it)")
+
+
 def peak_memory_mb(device_type):
     if device_type == 'cuda':
         return torch.cuda.max_memory_allocated() / 2**20
@@ -1054,6 +1079,10 @@ def setting_warnings(cfg):
     return warnings
 
 
+# ----------------------------------------------------------------------------------------------------
+# a run: main() joins the processes, setup() builds and checks the run's pieces once, report() says what
+# they are, train_loop() runs it
+
 def main(argv):
     """Check the config, join the other processes under torchrun, run, leave."""
     cfg = SimpleNamespace(**configure(DEFAULTS, argv, __file__))
@@ -1105,9 +1134,6 @@ def main(argv):
             gc.collect()
             dist.destroy_process_group()
 
-
-# ----------------------------------------------------------------------------------------------------
-# a run: setup() builds and checks its pieces once, report() says what they are, train_loop() runs it
 
 def setup(cfg, argv, device, rank, world):
     """The run's pieces, as a namespace: data, model, wrappers, optimizer, resumed state. Everything is
@@ -1352,19 +1378,6 @@ def truncate_metrics(path, iter_num, say):
         raise TrainError(f"cannot rewrite {path} for the resumed run: {os_reason(e, path)}") from None
     if unreadable:
         say(f"{path}: dropped {unreadable} unreadable line(s), cut short by an earlier failure")
-
-
-def on_master(r, work):
-    """Run work() on process 0, which alone writes files, then stop every process with its TrainError, if it
-    raised one: none is left waiting for the others at the next collective."""
-    error = None
-    if r.master:
-        try:
-            work()
-        except TrainError as e:
-            error = e
-    if not agree(error is None, r.device):
-        raise error or TrainError("process 0 stopped with an error (it prints it)")
 
 
 def is_hf(cfg):
@@ -1629,18 +1642,6 @@ def save(r, *paths):
              'evaluated': r.last_eval == r.iter_num}
     on_master(r, lambda: [save_checkpoint(path, state) for path in paths])
     r.saved_iter = r.iter_num
-
-
-def optimizer_state(r):
-    """The optimizer's state dict, keyed by parameter name, so that it loads under any number of processes."""
-    if r.cfg.optimizer_offload:  # torchao's offload optimizer has a state dict of its own
-        return r.optimizer.state_dict()
-    opts = optimizers(r.optimizer)
-    # NOTE: before the first step there is no state, and get_optimizer_state_dict would make some by
-    # taking a zero-gradient step, which counts as a step in AdamW's bias correction
-    if not agree(any(opt.state for opt in opts), r.device):
-        return None
-    return get_optimizer_state_dict(r.model, opts, options=FULL_STATE)
 
 
 def log_metrics(r, record):
