@@ -625,14 +625,19 @@ def state_tensors(optimizer):
         for state in getattr(opt, 'state', {}).values():
             for t in state.values():
                 if torch.is_tensor(t):
-                    t = t.to_local() if hasattr(t, 'to_local') else t
+                    t = local(t)
                     seen[t.device, t.data_ptr()] = t
     return list(seen.values())
 
 
+def local(t):
+    """What this process holds of a tensor: an FSDP-sharded DTensor's shard, any other tensor whole."""
+    return t.to_local() if hasattr(t, 'to_local') else t
+
+
 def local_params(model):
     """The parameters this process holds: all of them, or under FSDP its shards' elements."""
-    return sum((p.to_local() if hasattr(p, 'to_local') else p).numel() for p in model.parameters())
+    return sum(local(p).numel() for p in model.parameters())
 
 
 def optimizer_state_bytes(optimizer):
@@ -855,13 +860,13 @@ def save_checkpoint(path, state):
         pass  # not every platform can fsync a directory
 
 
-def load_checkpoint(path, device='cpu'):
-    """torch.load with weights_only=True: tensors and plain data only; nothing in the file runs code."""
+def load_checkpoint(path):
+    """torch.load to the CPU with weights_only=True: tensors and plain data only; nothing in the file runs code."""
     if not os.path.exists(path):
         raise TrainError(f"no checkpoint at {path}")
     check_readable(path, '')  # a directory, a file without read permission: one line naming it
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         code = re.search(r'GLOBAL (\S+)', str(e))  # the pickle names a function or class to import
         if code:
@@ -902,7 +907,7 @@ def config_diff(old, new, keys):
 
 
 def weights_finite(model):
-    return all(bool(torch.isfinite(p.to_local() if hasattr(p, 'to_local') else p).all()) for p in model.parameters())
+    return all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1346,8 +1351,9 @@ def move_earlier_run(r):
         for p in found:
             shutil.move(p, keep)
     except OSError as e:
-        with suppress(OSError, TypeError):
-            os.rmdir(keep)  # only if nothing had moved yet (os.rmdir refuses a folder that is not empty)
+        if keep:  # (made): removed only if nothing had moved yet, as os.rmdir refuses a folder that is not empty
+            with suppress(OSError):
+                os.rmdir(keep)
         moved = f"; those moved so far are in {keep}" if keep and os.path.isdir(keep) else ''
         raise TrainError(f"could not move the earlier run's files in {r.cfg.out_dir} aside ({os_reason(e)}); "
                          f"nothing was overwritten{moved}") from None
