@@ -566,8 +566,9 @@ def fit(env):
                  if row['batch_size'] else '')
         print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
         record['complete'] = len(variants) == len(FIT_VARIANTS)
-        with open(os.path.join(env.out, 'fit.json'), 'w') as f:  # after each variant: a run cut short keeps its rows
-            json.dump(record, f, indent=1)
+        with open(os.path.join(env.out, 'fit.json.tmp'), 'w') as f:  # after each variant: a run cut short keeps
+            json.dump(record, f, indent=1)                               # the rows it finished, whole
+        os.replace(os.path.join(env.out, 'fit.json.tmp'), os.path.join(env.out, 'fit.json'))
     return 0
 
 

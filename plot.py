@@ -1,14 +1,14 @@
 """
 Plot training runs from their out_dir/metrics.jsonl: train and val loss against iterations and against
-tokens, the learning rate, and tokens/s. train.py draws out_dir/metrics.png with it at each evaluation; on
+tokens, the learning rate, and tokens/s. train.py draws out_dir/metrics.png with it at its evaluations; on
 the command line it overlays several runs in one image, to compare settings; --out's extension picks the
 format (png, pdf, svg, ...).
 
     python plot.py out-small                          # -> compare.png
     python plot.py out-a out-b out-c --out=ab.pdf     # one color per run
 
-matplotlib (Agg backend, no display needed) is imported by draw() only: reading and checking the metrics
-costs nothing, and train.py pays for matplotlib at its first evaluation, not at start-up.
+matplotlib (Agg backend, no display needed) is imported when drawing only (draw(), and main() for the formats
+it writes): train.py pays for matplotlib at its first evaluation, not at start-up.
 """
 import argparse
 import json
@@ -112,9 +112,9 @@ def main(argv=None):
                         help='the image to write, in the format of its extension (default: compare.png)')
     args = parser.parse_args(argv)
     from matplotlib.backend_bases import FigureCanvasBase
-    formats = FigureCanvasBase.get_supported_filetypes()
+    formats = {f for f in FigureCanvasBase.get_supported_filetypes() if f != 'pgf'}  # pgf needs LaTeX installed
     if image_format(args.out) not in formats:
-        parser.exit(1, f"plot.py: error: --out={args.out}: matplotlib writes no '{image_format(args.out)}' "
+        parser.exit(1, f"plot.py: error: --out={args.out}: plot.py writes no '{image_format(args.out)}' "
                        f"images; name it .png, .pdf, .svg or another of {', '.join(sorted(formats))}\n")
     runs = {}
     try:

@@ -857,6 +857,38 @@ def test_gradients_are_copied_only_under_cuda_graphs_with_accumulation(mode, dev
     assert bool(model.weight._backward_hooks) == applies
 
 
+class Joined(Exception):
+    """Raised where main() would join the other processes: every check before it passed."""
+
+
+@pytest.mark.parametrize('flags, refused', [
+    (['--parallelism=fsdp', '--compile_mode=reduce-overhead', '--gradient_accumulation_steps=4'], True),
+    (['--parallelism=fsdp', '--compile_mode=max-autotune', '--gradient_accumulation_steps=4'], True),
+    (['--parallelism=fsdp', '--compile_mode=max-autotune-no-cudagraphs', '--gradient_accumulation_steps=4'], False),
+    (['--parallelism=fsdp', '--compile_mode=reduce-overhead', '--gradient_accumulation_steps=2'], False),
+    (['--parallelism=ddp', '--compile_mode=reduce-overhead', '--gradient_accumulation_steps=4'], False)])
+def test_fsdp_refuses_cuda_graphs_with_accumulation(monkeypatch, flags, refused):
+    # Reference: where the kept gradients live. FSDP2 accumulates into the gradients of its unsharded parameters,
+    # out of reach of gradients_out_of_cuda_graphs' hooks on the sharded ones, so a CUDA graph's next replay would
+    # overwrite them: refused, before any process joins. Without CUDA graphs, with one micro-batch per process
+    # (2 over 2), or under DDP (where the hooks apply), the run goes on to join the others.
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    monkeypatch.setattr(train, 'pick_device', lambda name: 'cuda')
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda device: None)
+
+    def join(*args, **kwargs):
+        raise Joined
+    monkeypatch.setattr(train.dist, 'init_process_group', join)
+    with pytest.raises(train.ConfigError if refused else Joined) as e:
+        train.main(['--compile=True', *flags])
+    mode = flags[1].split('=')[1]
+    if refused:
+        assert str(e.value).startswith(f"compile_mode={mode!r} records CUDA graphs"), e.value
+        assert "use compile_mode='default' or 'max-autotune-no-cudagraphs'" in str(e.value)
+
+
 # ====================================================================================================
 # Part 2: on a CUDA GPU
 

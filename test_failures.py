@@ -926,7 +926,7 @@ def test_resume_of_a_finished_run_says_there_is_nothing_to_train(data, tmp_path,
     capsys.readouterr()
     assert train.main(args(data, out, '--eval_interval=2', f'--max_iters={max_iters}', '--init_from=resume')) == 0
     stdout = capsys.readouterr().out
-    assert (f"nothing to train: max_iters={max_iters}, and the checkpoint is at iteration 4; a higher max_iters "
+    assert (f"nothing to train: max_iters={max_iters}, and the checkpoint is at iteration 4; a max_iters above 4 "
             f"trains on\n") in stdout, stdout
     assert run_files(out) == before
 
@@ -1829,6 +1829,7 @@ def test_a_short_block_setting_that_cannot_work_as_meant_is_a_warning(data, tmp_
                                               'from its warmup straight to min_lr=1.00e-03'),
     (['--max_iters=3'], None),
     (['--max_iters=3', '--lr_decay_iters=3'], None),
+    (['--max_iters=3', '--lr_decay_iters=2', '--min_lr=1e-2'], None),  # min_lr = learning_rate: a constant rate
 ])
 def test_a_learning_rate_schedule_cut_short_is_a_warning(data, tmp_path, capsys, flags, want):
     # Reference: the schedule by hand (warmup_iters=2, learning_rate 1e-2: the rate of step i < 2 is

@@ -156,11 +156,16 @@ def test_cli_writes_the_format_of_the_out_extension(tmp_path, capsys):
         plot.main([good, f'--out={tmp_path / name}'])
         with open(tmp_path / name, 'rb') as f:
             assert f.read(len(signature)) == signature, name
-    with pytest.raises(SystemExit) as e:
-        plot.main([good, f'--out={tmp_path / "a.xyz"}'])
-    assert e.value.code == 1
-    assert f"plot.py: error: --out={tmp_path / 'a.xyz'}: matplotlib writes no 'xyz' images" in capsys.readouterr().err
-    assert not (tmp_path / 'a.xyz').exists()
+    for name in ('a.xyz', 'a.pgf'):  # (matplotlib writes pgf only where LaTeX is installed: a traceback otherwise)
+        with pytest.raises(SystemExit) as e:
+            plot.main([good, f'--out={tmp_path / name}'])
+        assert e.value.code == 1
+        fmt = name.split('.')[1]
+        assert f"plot.py: error: --out={tmp_path / name}: plot.py writes no '{fmt}' images" in capsys.readouterr().err
+        assert not (tmp_path / name).exists()
+    with pytest.raises(SystemExit):  # before the runs are read: a run that is not there is not the error named
+        plot.main([str(tmp_path / 'nothing'), f'--out={tmp_path / "a.xyz"}'])
+    assert "writes no 'xyz' images" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -796,14 +796,18 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     return loss_sum, norm, ok
 
 
+def records_cuda_graphs(compile_mode, device_type):
+    """Whether torch.compile's mode records CUDA graphs on this device (reduce-overhead, max-autotune on CUDA)."""
+    return device_type == 'cuda' and torch._inductor.list_mode_options(compile_mode).get('triton.cudagraphs', False)
+
+
 def gradients_out_of_cuda_graphs(model, compile_mode, device_type, accum_steps):
     """NOTE: under CUDA graphs (compile modes reduce-overhead and max-autotune) the backward's gradients are
     outputs in the graphs' own memory, which the next replay, the next micro-step's forward, overwrites: a
     gradient kept across micro-steps to accumulate is an error, or silently wrong (pytorch/pytorch#169545; torch
     2.11 to 2.13). With accumulation, a hook copies each parameter's first gradient of a step out of that memory;
     the later ones add into the copy (one copy of the gradients per step). Returns whether it applies."""
-    cuda_graphs = torch._inductor.list_mode_options(compile_mode).get('triton.cudagraphs', False)
-    if not (cuda_graphs and device_type == 'cuda' and accum_steps > 1):
+    if not (records_cuda_graphs(compile_mode, device_type) and accum_steps > 1):
         return False
     for p in model.parameters():
         if p.requires_grad:  # p.grad is None until a step's first gradient: train_step zeroes with set_to_none
@@ -1074,7 +1078,7 @@ def setting_warnings(cfg):
         warnings.append(f"warmup_iters={cfg.warmup_iters} is at least max_iters={cfg.max_iters}: the learning rate "
                         f"only warms up, to {get_lr(cfg.max_iters - 1, cfg):.2e} at the last step "
                         f"(learning_rate={cfg.learning_rate:.2e}), and never decays")
-    elif 0 < cfg.lr_decay_iters <= cfg.warmup_iters:
+    elif 0 < cfg.lr_decay_iters <= cfg.warmup_iters and cfg.min_lr < cfg.learning_rate:
         warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is at most warmup_iters={cfg.warmup_iters}: the "
                         f"learning rate drops from its warmup straight to min_lr={cfg.min_lr:.2e}")
     if cfg.short_block_size and cfg.short_block_iters >= cfg.max_iters > 0:
@@ -1104,6 +1108,12 @@ def main(argv):
         raise ConfigError("wandb_log=True needs wandb: `pip install wandb` (WANDB_MODE=offline logs without a "
                           "network), or set wandb_log=False")
     device = pick_device(cfg.device)
+    if (world > 1 and cfg.parallelism == 'fsdp' and cfg.compile and cfg.gradient_accumulation_steps > world
+            and records_cuda_graphs(cfg.compile_mode, torch.device(device).type)):
+        # FSDP2 accumulates into gradients of its unsharded parameters, which the copy cannot reach
+        raise ConfigError(f"compile_mode={cfg.compile_mode!r} records CUDA graphs, whose next replay overwrites the "
+                          f"gradients FSDP keeps across micro-steps: with parallelism='fsdp' and gradient "
+                          f"accumulation use compile_mode='default' or 'max-autotune-no-cudagraphs'")
     if world > 1 and torch.device(device).type == 'cuda':
         device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per process, whatever index was asked for
     if torch.device(device).type == 'cuda' and torch.device(device).index is not None:
@@ -1281,8 +1291,8 @@ def start_or_resume(r):
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} ({best_val_text(r.best_val_loss)})")
     if r.iter_num >= cfg.max_iters:  # the run's own config again, to go on: it ends where it started
-        say(f"nothing to train: max_iters={cfg.max_iters}, and the checkpoint is at iteration {r.iter_num}; a higher "
-            f"max_iters trains on")
+        say(f"nothing to train: max_iters={cfg.max_iters}, and the checkpoint is at iteration {r.iter_num}; a "
+            f"max_iters above {r.iter_num} trains on")
     if config_diff(saved, vars(cfg), EVAL_KEYS) and r.best_val_loss < math.inf:
         say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
             f"the next evaluation's model is written to {r.best_path}")
@@ -1557,7 +1567,7 @@ def out_of_memory(e):
     for _ in range(20):  # the chain of causes, never a cycle
         if e is None:
             return None
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or is_oom_text(str(e)):
+        if isinstance(e, torch.OutOfMemoryError) or is_oom_text(str(e)):
             return e
         e = e.__cause__ or e.__context__
     return None
