@@ -1053,6 +1053,9 @@ def test_cuda_graphs_with_accumulation_train_as_compile_default(tmp_path, gpu_da
             '--compile=True', f'--compile_mode={mode}', '--gradient_accumulation_steps=2',
             f'--data_dir={gpu_data}', f'--out_dir={out_dir}'])
         assert breaks == {}, breaks
+        # CUDA graphs recorded (else the comparison shows nothing): inductor counts each graph it leaves without
+        skips = torch._dynamo.utils.counters['inductor']['cudagraph_skips']
+        assert skips == 0, f"{mode}: {skips} graphs without CUDA graphs"
         runs[mode] = losses(read_metrics(out_dir))
     assert "first gradients copied out of the CUDA graphs" in outs['reduce-overhead']
     assert "copied out" not in outs['default']
