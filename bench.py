@@ -566,9 +566,10 @@ def fit(env):
                  if row['batch_size'] else '')
         print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
         record['complete'] = len(variants) == len(FIT_VARIANTS)
-        with open(os.path.join(env.out, 'fit.json.tmp'), 'w') as f:  # after each variant: a run cut short keeps
-            json.dump(record, f, indent=1)                               # the rows it finished, whole
-        os.replace(os.path.join(env.out, 'fit.json.tmp'), os.path.join(env.out, 'fit.json'))
+        path = os.path.join(env.out, 'fit.json')  # after each variant, whole: a run cut short keeps the rows it has
+        with open(f'{path}.tmp', 'w') as f:
+            json.dump(record, f, indent=1)
+        os.replace(f'{path}.tmp', path)
     return 0
 
 

@@ -444,6 +444,14 @@ def test_split_step(n, micro, expected):
     assert bench.split_step(n, micro) == expected
 
 
+def fit_env(tmp_path, tokens_per_step):
+    """A tiny ladder's namespace from bench.setup, for calling fit() on the CPU (setup refuses --mode=fit without
+    CUDA), with tokens_per_step set afterwards (a ladder refuses the flag)."""
+    env = bench.setup([*TINY, f'--out={tmp_path}'])
+    env.tokens_per_step = tokens_per_step
+    return env
+
+
 def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, capsys):
     # no GPU here: a stand-in for run_rung that runs out of memory past a limit that depends on the settings
     limits = {('none', 'adamw'): 20, ('full', 'adamw'): 50, ('none', 'adamw8bit'): 61}
@@ -453,8 +461,7 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
             raise bench.BenchError('optimizer=adamw8bit needs bitsandbytes')
         if env.batch_size > limits[s['checkpointing'], s['optimizer']]:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
-    env = bench.setup([*TINY, f'--out={tmp_path}'])
-    env.tokens_per_step = 2048  # 64 sequences of 32 tokens (fit mode's setting: a ladder refuses it)
+    env = fit_env(tmp_path, 2048)  # 64 sequences of 32 tokens
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     assert bench.fit(env) == 0
     variants = json.load(open(tmp_path / 'fit.json'))['variants']
@@ -481,8 +488,7 @@ def test_fit_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         if env.batch_size > 20:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
-    env = bench.setup([*TINY, f'--out={tmp_path}'])
-    env.tokens_per_step = 2048
+    env = fit_env(tmp_path, 2048)
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     with pytest.raises(KeyboardInterrupt):
         bench.fit(env)
@@ -575,8 +581,7 @@ def test_fit_tries_micro_steps_that_hold_the_gradients(tmp_path, monkeypatch):
         return forward(self, idx, *args, **kwargs)
     monkeypatch.setattr(GPT, 'forward', spy)
     monkeypatch.setattr(bench, 'largest_batch', lambda fits, n: 2 if fits(2) else 0)  # one try per variant
-    env = bench.setup([*TINY, f'--out={tmp_path}'])
-    env.tokens_per_step = 2048  # (fit mode's: a ladder refuses it)
+    env = fit_env(tmp_path, 2048)
     assert bench.fit(env) == 0
     assert any(held), held
 
@@ -606,8 +611,7 @@ def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
         if env.batch_size > 6:
             allocated[0] = 3 << 30
             raise RuntimeError('CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`')
-    env = bench.setup([*TINY, f'--out={tmp_path}'])
-    env.tokens_per_step = 2048  # (fit mode's: a ladder refuses it)
+    env = fit_env(tmp_path, 2048)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: allocated[0])
@@ -656,8 +660,7 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
         elif s['optimizer'] == 'adamw8bit':
             raise RuntimeError('cuDNN error: CUDNN_STATUS_BAD_PARAM')
-    env = bench.setup([*TINY, f'--out={tmp_path}'])
-    env.tokens_per_step = 2050  # (fit mode's: a ladder refuses it)
+    env = fit_env(tmp_path, 2050)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: next(allocated))
@@ -688,8 +691,7 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
 def test_fit_takes_a_step_of_at_least_one_sequence(tmp_path, monkeypatch):
     # Reference: a step holds whole sequences, at least one: 16 tokens asked of 32-token sequences is one sequence
     monkeypatch.setattr(bench, 'run_rung', lambda s, env: None)  # every size fits
-    env = bench.setup([*TINY, f'--out={tmp_path}'])
-    env.tokens_per_step = 16  # (fit mode's: a ladder refuses it)
+    env = fit_env(tmp_path, 16)
     assert bench.fit(env) == 0
     record = json.load(open(tmp_path / 'fit.json'))
     assert record['tokens_per_step'] == 32
