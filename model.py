@@ -566,7 +566,10 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
         logits[:, vocab_limit:] = float('-inf')
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # shifted by each row's largest first: a tiny temperature would take logits to inf, and inf - inf is NaN; the
+    # largest stay 0 where temperature is below float32's smallest number (their ratio 0 / 0)
+    top = logits.amax(dim=-1, keepdim=True)
+    logits = torch.where(logits == top, 0.0, (logits - top) / temperature)
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))

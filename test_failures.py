@@ -1840,6 +1840,22 @@ def test_a_learning_rate_schedule_cut_short_is_a_warning(data, tmp_path, capsys,
     assert warnings == ([want] if want else []), warnings
 
 
+@pytest.mark.parametrize('flags, want', [
+    (['--max_iters=0', '--eval_at_start=False'], 'max_iters=0 and eval_at_start=False: the run neither trains nor '
+                                                 'evaluates'),
+    (['--max_iters=0'], None),
+    (['--max_iters=3', '--eval_at_start=False'], None),
+])
+def test_a_run_that_does_nothing_is_a_warning(data, tmp_path, capsys, flags, want):
+    # Reference: the evaluations the run logs. max_iters=0 only evaluates, at iteration 0, which eval_at_start=False
+    # skips: the run goes on, does nothing, and says so; with either setting alone it evaluates.
+    assert train.main(args(data, tmp_path / 'out', *flags)) == 0
+    warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
+    assert warnings == ([want] if want else []), warnings
+    logged = read_metrics(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / 'metrics.jsonl') else []
+    assert bool(want) == (not [r for r in logged if 'val_loss' in r])
+
+
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run
     'zeros': ['--grad_clip=0', '--dropout=0', '--label_smoothing=0', '--weight_decay=0', '--beta1=0', '--beta2=0',
               '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1',

@@ -325,6 +325,17 @@ def test_finetune_starts_from_the_hf_weights(finetune, hf_dirs, hf_data):
         assert re.search(rf"^  {key} +\= {first['model_args'][key]!r}$", printed, re.M), key
 
 
+def test_resuming_a_finetune_with_another_block_size_is_refused(finetune, hf_data, tmp_path):
+    # Reference: a run from scratch resumed with another block_size (the shape check's error). block_size is the
+    # run's, not config.json's: left out of the resume, the model took the checkpoint's 32 while the data and the
+    # evaluation took the default 1024, and the first evaluation failed with a traceback
+    out = shutil.copytree(finetune[0], tmp_path / 'out')
+    resume = [a for a in FINETUNE if not a.startswith('--block_size=')]
+    with pytest.raises(train.TrainError, match=r"has another shape than this config:\n.*block_size.*32.*1024"):
+        train.main(resume + [f'--data_dir={hf_data}', f'--out_dir={out}', '--max_iters=5', '--init_from=resume'])
+    assert load(os.path.join(out, 'ckpt.pt'))['iter_num'] == 4  # untouched
+
+
 def test_finetune_on_another_vocabulary_is_refused(hf_dirs, hf_data, tok_dir, tmp_path):
     # Reference: the vocabularies, as resume compares them. A character-level export (char_vocab.json) on char
     # data with other characters of the same count, and a model directory whose tokenizer.json is not the one
@@ -449,6 +460,22 @@ def test_shape_keys_are_read_as_gptconfig_reads_them(hf_dirs, model, flags, cont
         shape = train.model_shape(cfg, argv)
         assert {k: shape[k] for k in ('head_dim', 'mlp_hidden')} == {'head_dim': 16, 'mlp_hidden': 192} \
             if model == 'llama_gqa' else {'head_dim': 32, 'mlp_hidden': 96}
+
+
+def test_zero_init_proj_from_hf_weights_is_a_warning(hf_dirs, hf_data, tmp_path, capsys):
+    # Reference: the same start without the setting. The weights come from config.json's model, so the projections'
+    # initialization changes nothing (same weights, same first evaluation), and the run says so
+    starts = {}
+    for name, flags in (('plain', []), ('zero', ['--zero_init_proj=True'])):
+        out = tmp_path / name
+        assert train.main(FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--data_dir={hf_data}',
+                                      f'--out_dir={out}', '--max_iters=0', *flags]) == 0
+        starts[name] = load(out / 'ckpt.pt')['model'], read_metrics(out)[0]['val_loss']
+        warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
+        assert warnings == ([f"zero_init_proj=True has no effect: the weights come from "
+                             f"init_from=hf:{hf_dirs['llama_gqa']}"] if flags else []), warnings
+    assert starts['zero'][1] == starts['plain'][1]
+    assert all(torch.equal(starts['zero'][0][k], v) for k, v in starts['plain'][0].items())
 
 
 def test_data_vocabulary_must_fit_the_model(hf_dirs, tmp_path):

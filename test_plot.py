@@ -298,6 +298,22 @@ def test_wandb_offline_logs_the_records_of_metrics_jsonl(tmp_path):
     assert config['n_embd'] == 16 and config['wandb_log'] is True
 
 
+def test_wandb_that_cannot_start_a_run_is_an_error_without_a_traceback(tmp_path):
+    # Reference: wandb itself, online without an API key (a HOME of its own, no login; it refuses at once, offline).
+    # It was wandb's traceback; now train.py's one-line error with wandb's own words and the ways out
+    pytest.importorskip('wandb')
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    env = {k: v for k, v in os.environ.items() if not k.startswith('WANDB_')}
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path), OMP_NUM_THREADS='1')
+    proc = subprocess.run([sys.executable, 'train.py', *TINY, f'--data_dir={data}', f'--out_dir={out}',
+                           '--wandb_log=True'], cwd=HERE, env=env, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("train.py: error: wandb_log=True: wandb could not start a run: No API key "), \
+        proc.stderr[-3000:]
+    assert "`wandb login`; WANDB_MODE=offline" in proc.stderr
+
+
 def test_wandb_only_in_process_0_and_imported_only_when_on(monkeypatch):
     calls = []
     fake = SimpleNamespace(init=lambda **kwargs: calls.append(kwargs) or 'run')

@@ -355,6 +355,19 @@ def test_top_k_one_is_greedy_and_top_k_stays_in_top_k():
             assert token in sorted(range(50), key=lambda i: -row[i])[:3]
 
 
+@pytest.mark.parametrize('temperature', [1e-37, 1e-40, 1e-300])
+def test_a_tiny_temperature_samples_the_largest_logits(temperature):
+    # Reference: the limit of softmax(logits / t) as t goes to 0: the argmax, or an even draw among tied largest
+    # logits. logits / 1e-37 overflows float32 (1e-40 is a subnormal there, 1e-300 rounds to 0): inf - inf was NaN
+    logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(0)) * 10
+    got = sample_next(logits, temperature, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(got.squeeze(1), logits.argmax(-1))
+    tied = torch.tensor([[0.0, 3.0, -1.0, 3.0]]).repeat(4000, 1)
+    counts = torch.bincount(sample_next(tied, temperature, top_p=0.9, generator=torch.Generator().manual_seed(2))
+                            .squeeze(1), minlength=4).tolist()
+    assert counts[0] == counts[2] == 0 and abs(counts[1] - 2000) < 200, counts  # 4.5 standard deviations
+
+
 def nucleus_ref(probs, p):
     """The smallest set of most likely tokens whose probability reaches p."""
     order = sorted(range(len(probs)), key=lambda i: -probs[i])

@@ -1064,9 +1064,10 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
 
 
 def setting_warnings(cfg):
-    """Warnings for the APPLIES_ONLY settings that are set but not read in this run, for a learning-rate schedule
-    that never reaches its decay, for half of the short-block pair set without the other, and for short blocks that
-    last the whole run."""
+    """Warnings for the APPLIES_ONLY settings that are set but not read in this run (zero_init_proj too, under
+    init_from=hf:), for a learning-rate schedule that never reaches its decay, for a new run that neither trains
+    nor evaluates, for half of the short-block pair set without the other, and for short blocks that last the whole
+    run."""
     warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
@@ -1081,6 +1082,11 @@ def setting_warnings(cfg):
     elif 0 < cfg.lr_decay_iters <= cfg.warmup_iters and cfg.min_lr < cfg.learning_rate:
         warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is at most warmup_iters={cfg.warmup_iters}: the "
                         f"learning rate drops from its warmup straight to min_lr={cfg.min_lr:.2e}")
+    if is_hf(cfg) and cfg.zero_init_proj != DEFAULTS['zero_init_proj']:
+        warnings.append(f"zero_init_proj={cfg.zero_init_proj!r} has no effect: the weights come from "
+                        f"init_from={cfg.init_from}")
+    if cfg.max_iters == 0 and not cfg.eval_at_start and cfg.init_from != 'resume':
+        warnings.append("max_iters=0 and eval_at_start=False: the run neither trains nor evaluates")
     if cfg.short_block_size and cfg.short_block_iters >= cfg.max_iters > 0:
         warnings.append(f"short_block_iters={cfg.short_block_iters} covers all max_iters={cfg.max_iters} "
                         f"iterations: no step trains on whole windows of block_size={cfg.block_size}, which the "
@@ -1406,13 +1412,14 @@ def model_shape(cfg, argv):
     Under init_from=hf:PATH the shape is PATH/config.json's (export.hf_model_args): a shape key that a config
     file or flag sets (argv, not its default) to another value is an error naming both; block_size and dropout
     stay the run's, block_size at most max_position_embeddings. Resuming a run that started so keeps the
-    checkpoint's shape for the keys that argv leaves unset (the resume command names none)."""
+    checkpoint's shape for the keys that argv leaves unset (the resume command names none), block_size and
+    dropout excepted: those are the run's settings, which the data and the resume check read too."""
     args = {k: getattr(cfg, k) for k in MODEL_KEYS if hasattr(cfg, k)}
     explicit = {a[2:].partition('=')[0] for a in argv if a.startswith('--')}
     explicit.update(k for a in argv if not a.startswith('--') for k in read_config_file(a))
     if cfg.init_from == 'resume':
         shape = hf_checkpoint_shape(cfg.out_dir) or {}
-        return {**args, **{k: v for k, v in shape.items() if k not in explicit and k != 'dropout'}}
+        return {**args, **{k: v for k, v in shape.items() if k not in (*explicit, 'dropout', 'block_size')}}
     if not is_hf(cfg):
         return args
     from export import HF_KEYS, hf_model_args  # the mapping lives with the export
@@ -1583,7 +1590,11 @@ def start_wandb(r):
     if not (r.cfg.wandb_log and r.master):
         return None
     import wandb
-    return wandb.init(project=r.cfg.wandb_project, name=r.cfg.wandb_run_name or None, config=vars(r.cfg))
+    try:
+        return wandb.init(project=r.cfg.wandb_project, name=r.cfg.wandb_run_name or None, config=vars(r.cfg))
+    except Exception as e:  # no API key, no network, a bad project name: wandb's own words, without its traceback
+        raise TrainError(f"wandb_log=True: wandb could not start a run: {e} (`wandb login`; WANDB_MODE=offline logs "
+                         f"without an account; or set wandb_log=False)") from None
 
 
 def report(r):
