@@ -43,8 +43,10 @@ Each rung: `warmup` steps untimed, then the median of `repeats` device-synchroni
 steps. MFU: model.estimate_mfu, against the peak of the rung's matmuls, named in each cell (mfu_peak): TF32 for
 float32 with TF32, bf16 for bf16 (FP8 too, as train.py), fp16 for fp16; n/a for float32 without TF32 (no such
 peak listed), on a GPU model.PEAK_FLOPS does not list and off CUDA. Peak memory:
-torch.cuda.max_memory_allocated over the timed steps (n/a on CPU). Activation memory (activation_mb, on
-every device): the bytes saved for backward in one micro-step, after the timed steps (activation_bytes).
+torch.cuda.max_memory_allocated over the timed steps (n/a on CPU); with CUDA graphs (--compile_mode=reduce-overhead
+or max-autotune) over the warm-up too, which records the graphs and allocates their memory. Activation memory
+(activation_mb, on every device): the bytes saved for backward in one micro-step, after the timed steps
+(activation_bytes).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line.
 """
@@ -340,7 +342,10 @@ def run_rung(s, env, timed=nullcontext):
             step()
         if env.device_type == 'cuda':
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(env.device)
+            if not (s['compile'] and train.records_cuda_graphs(env.compile_mode, env.device_type)):
+                # NOTE: CUDA graphs allocate their memory while recording (the warm-up), and replays reuse it
+                # unallocated: a peak over the timed steps alone left out the activations (1.9 of 9.7 GB at 124M)
+                torch.cuda.reset_peak_memory_stats(env.device)
         with timed() as watcher:
             for _ in range(env.repeats):
                 t0 = time.perf_counter()
@@ -361,7 +366,7 @@ def run_rung(s, env, timed=nullcontext):
     mfu = None if plain_fp32 else model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size)
     return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
                 mfu=mfu, mfu_peak=train.PEAK_LABEL[s['dtype']] if mfu is not None else None,
-                peak_mem_mb=peak,  # over the timed steps only
+                peak_mem_mb=peak,  # over the timed steps only (CUDA graphs: and the warm-up)
                 activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20,
                 **({'timed': watcher} if watcher is not None else {}))
 
@@ -797,8 +802,11 @@ def setup(argv):
                     variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
                                   loss_chunk_tokens=env.loss_chunk_tokens, residual=env.residual,
                                   stage_data=env.stage_data),
-                    memory='torch.cuda.max_memory_allocated over the timed steps' if device_type == 'cuda'
-                    else f'n/a on {device_type}')
+                    memory=f'n/a on {device_type}')
+    if device_type == 'cuda':
+        env.meta['memory'] = 'torch.cuda.max_memory_allocated over the timed steps'
+        if train.records_cuda_graphs(env.compile_mode, device_type):
+            env.meta['memory'] += ' (compiled rungs: and the warm-up, which records the CUDA graphs)'
     return env
 
 

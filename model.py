@@ -237,8 +237,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0):
         B, T, C = x.size()
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        # NOTE: split into heads, not into channels then views: compiled for CUDA, the gradient's cat of dq, dk and
+        # dv (one kernel with RoPE's backward) then indexes whole heads. Split by channels, that kernel spent 0.30
+        # ms per 16 x 1024 micro-batch at 124M on an H100 in integer index arithmetic, 6x its bytes' time.
+        q, k, v = self.qkv(x).view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
         q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, D)
         if cache is not None:
