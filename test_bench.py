@@ -9,6 +9,7 @@ block, the logits the chunked loss drops); .ci/gpu's commands against bench.py's
 
     python -m pytest -q test_bench.py
 """
+import importlib.util
 import json
 import os
 import re
@@ -1130,6 +1131,22 @@ def test_activation_bytes_leaves_out_buffers_and_counts_prefer_save(monkeypatch)
 TRAIN_FIT = ['--batch_size=8', '--gradient_accumulation_steps=4']
 
 
+def rope_probe():
+    spec = importlib.util.spec_from_file_location('rope_probe', os.path.join(HERE, '.ci', 'rope_probe.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rope_probe_refuses_an_unknown_form(capsys):
+    # Reference: its FORMS; a misspelt form in .ci/gpu would cost a step of a lent GPU's time for nothing
+    probe = rope_probe()
+    assert probe.parse_args(['--only=flip,flip_heads']).only == 'flip,flip_heads'
+    with pytest.raises(SystemExit):
+        probe.parse_args(['--only=flip,flip_head'])
+    assert '--only: no form flip_head' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('part', 'abcde')
 def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
@@ -1152,13 +1169,16 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     assert done.returncode == 0, done.stderr
     assert os.path.exists(tmp_path / 'out' / f'gpu-{part}.tgz')
     calls = [json.loads(line) for line in open(log)]
-    scripts = [c for c in calls if c[0] in ('bench.py', 'train.py')]
-    assert scripts and all(c[0] in ('bench.py', 'train.py', '-c') or c[:2] == ['-m', 'pytest'] for c in calls), calls
+    scripts = [c for c in calls if c[0] in ('bench.py', 'train.py', '.ci/rope_probe.py')]
+    assert scripts and all(c[0] in ('bench.py', 'train.py', '.ci/rope_probe.py', '-c') or c[:2] == ['-m', 'pytest']
+                           for c in calls), calls
     monkeypatch.chdir(HERE)  # config files are named from the repository's root
     assert part != 'd' or ['train.py', *TRAIN_FIT] in [c[:1] + c[-2:] for c in scripts]  # train_fit's run is checked
     for script_name, *argv in scripts:
         if script_name == 'bench.py':
             bench.read_args(argv)
+        elif script_name == '.ci/rope_probe.py':
+            rope_probe().parse_args(argv)  # an unknown form exits (argparse's error)
         else:
             cfg = SimpleNamespace(**configure(train.DEFAULTS, argv))
             train.check_config(cfg)

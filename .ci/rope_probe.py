@@ -68,13 +68,24 @@ def attention(qkv, cos, sin, w, rope, H, D, joint=False, heads=False):
     return (y.transpose(1, 2).reshape(B, T, H * D) * w).sum()
 
 
-def main():
-    p = argparse.ArgumentParser()
+FORMS = ('none', 'flip', 'flip_heads', 'halves', 'halves_heads', 'rotate_half', 'function', 'flip_joint', 'flip_flash')
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description='RoPE backward under compile, form by form')
     p.add_argument('--batch', type=int, default=16)
     p.add_argument('--seq', type=int, default=1024)
     p.add_argument('--steps', type=int, default=5)
-    p.add_argument('--only', default='')
-    a = p.parse_args()
+    p.add_argument('--only', default=','.join(FORMS), help='the forms to run, comma-separated: ' + ', '.join(FORMS))
+    a = p.parse_args(argv)
+    unknown = [name for name in a.only.split(',') if name not in FORMS]
+    if unknown:
+        p.error(f"--only: no form {', '.join(unknown)}; the forms: {', '.join(FORMS)}")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
     H, D, B, T = 12, 64, a.batch, a.seq
     torch.manual_seed(0)
@@ -93,9 +104,10 @@ def main():
         'flip_joint': (model.apply_rotary, tables, True, False, None),
         'flip_flash': (model.apply_rotary, tables, False, False, 'flash'),
     }
+    assert tuple(variants) == FORMS
     ref = None
     for name, (rope, cs, joint, heads, backend) in variants.items():
-        if a.only and name not in a.only.split(','):
+        if name not in a.only.split(','):
             continue
         torch._dynamo.reset()  # a fresh graph for each: the SDPA backend is chosen when tracing
         fn = torch.compile(lambda x, rope=rope, cs=cs, joint=joint, heads=heads: attention(x, *cs, w, rope, H, D, joint,
