@@ -44,7 +44,8 @@ steps. MFU: model.estimate_mfu, against the peak of the rung's matmuls, named in
 float32 with TF32, bf16 for bf16 (FP8 too, as train.py), fp16 for fp16; n/a for float32 without TF32 (no such
 peak listed), on a GPU model.PEAK_FLOPS does not list and off CUDA. Peak memory:
 torch.cuda.max_memory_allocated over the timed steps (n/a on CPU); with CUDA graphs (--compile_mode=reduce-overhead
-or max-autotune) over the warm-up too, which records the graphs and allocates their memory. Activation memory
+or max-autotune) over the rung's warm-up too, which records the graphs and allocates their memory (max-autotune:
+and its benchmarks' buffers). Activation memory
 (activation_mb, on every device): the bytes saved for backward in one micro-step, after the timed steps
 (activation_bytes).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
@@ -65,6 +66,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
@@ -302,6 +304,7 @@ def run_rung(s, env, timed=nullcontext):
     gc.collect()
     if env.device_type == 'cuda':
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(env.device)  # this rung's peak, never an earlier one's
         torch.set_float32_matmul_precision('high' if s['tf32'] else 'highest')
     autocast = nullcontext() if s['dtype'] == 'float32' else torch.autocast(env.device_type, getattr(torch, s['dtype']))
     scaler = torch.amp.GradScaler(env.device_type, enabled=(s['dtype'] == 'float16'))
@@ -337,7 +340,10 @@ def run_rung(s, env, timed=nullcontext):
                                     autocast, cfg.grad_clip)
     times = []
     backend = SDPBackend.MATH if s['attention'] == 'math' else SDPA_BACKENDS[env.sdpa_backend]
-    with sdpa_kernel([backend]) if backend else nullcontext():
+    # NOTE: SDPA's backend is not in torch.compile's cache keys (torch 2.11 to 2.13): a graph an earlier run
+    # compiled with another backend would come back from the cache, its attention kernels with it
+    caches_off = inductor_config.patch(force_disable_caches=True) if s['compile'] and backend else nullcontext()
+    with sdpa_kernel([backend]) if backend else nullcontext(), caches_off:
         for _ in range(env.warmup):  # compiles, allocates the optimizer state, warms the caches
             step()
         if env.device_type == 'cuda':
@@ -806,7 +812,7 @@ def setup(argv):
     if device_type == 'cuda':
         env.meta['memory'] = 'torch.cuda.max_memory_allocated over the timed steps'
         if train.records_cuda_graphs(env.compile_mode, device_type):
-            env.meta['memory'] += ' (compiled rungs: and the warm-up, which records the CUDA graphs)'
+            env.meta['memory'] += " (compiled rungs: and the rung's warm-up, which records the CUDA graphs)"
     return env
 
 

@@ -238,8 +238,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         # NOTE: split into heads, not into channels then views: compiled for CUDA, the gradient's cat of dq, dk and
-        # dv (one kernel with RoPE's backward) then indexes whole heads. Split by channels, that kernel spent 0.30
-        # ms per 16 x 1024 micro-batch at 124M on an H100 in integer index arithmetic, 6x its bytes' time.
+        # dv (one kernel with RoPE's backward) then indexes whole heads. Split by channels, that kernel took 0.30 ms
+        # per 16 x 1024 micro-batch at 124M on an H100, 6x its bytes' time: by its code, integer index arithmetic.
         q, k, v = self.qkv(x).view(B, T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
         q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, D)

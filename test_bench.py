@@ -367,6 +367,28 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
             'residual stream float32 (read by no rung that ran), data loaded as train.py does') in md
 
 
+def test_a_chosen_sdpa_backend_is_compiled_not_taken_from_the_cache(tmp_path, monkeypatch):
+    # Reference: the attention ops that run (the profiler records each one the compiled code calls). SDPA's backend is
+    # not in torch.compile's cache keys: a graph compiled earlier under another backend came back from the cache, its
+    # kernels with it (the first run below leaves the CPU's flash kernel there). 'flash' stands for the math kernel
+    # here, which the CPU tells apart from its flash one: compiled, it is matmuls and a softmax. The graph is the one
+    # CUDA compiles with the plain loss: torch's rms_norm, no autograd.Function, which the cache would refuse
+    # (model.py's CPU RMSNorm and the chunked loss are such Functions).
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path / 'cache'))
+    monkeypatch.setattr(model_module.RMSNorm, 'forward', model_module.RMSNorm.fused_forward)
+    flags = ['--rungs=8', '--compile=True', '--steps=1', '--repeats=1', '--warmup=1', '--loss_chunk_tokens=0']
+    flash_op = 'aten::_scaled_dot_product_flash_attention_for_cpu'
+
+    def attention_ops(out, *more):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            report = run_ladder(tmp_path / out, *flags, *more)
+        assert [r['status'] for r in report['rungs'] if r['rung'] == 8] == ['ok']
+        return {e.key for e in prof.key_averages() if 'scaled_dot_product' in e.key}
+    assert flash_op in attention_ops('auto')  # compiled, and cached, with the flash kernel
+    monkeypatch.setitem(bench.SDPA_BACKENDS, 'flash', torch.nn.attention.SDPBackend.MATH)
+    assert flash_op not in attention_ops('forced', '--sdpa_backend=flash')
+
+
 def test_residual_variant_reaches_the_autocast_rungs(tmp_path, monkeypatch):
     # Reference: the dtype each block receives, recorded per rung as it runs: with --residual=autocast, bf16 on the
     # bf16 autocast rung (3), float32 on the float32 rung (1, no autocast); float32 on both without it.

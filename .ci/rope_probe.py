@@ -4,7 +4,8 @@ tokens, 12 heads of 64, bf16): the fused qkv output split into q, k and v, RoPE 
 the GPU has it), forward and backward compiled; each kernel's GPU time by torch.profiler, per step (mean of
 --steps). The kernel that writes the qkv gradient holds RoPE's backward: the gradient of the split is a cat of dq,
 dk and dv, and inductor fuses RoPE's backward into it. BENCHMARKS.md ("RoPE's backward, measured alone") has the
-H100's figures. Without a GPU it only checks that each form's gradient matches the flip's.
+H100's figures. Without a GPU it only prints each form's gradient's difference from the flip's. Compiled without
+inductor's caches: SDPA's backend is not in their keys, so flip_flash would come back from them with cuDNN's kernels.
 
     python .ci/rope_probe.py                              # every form
     python .ci/rope_probe.py --only=flip,flip_heads       # q, k, v split into channels (as model.py did) or heads
@@ -87,6 +88,7 @@ def parse_args(argv):
 def main(argv=None):
     a = parse_args(argv)
     dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+    torch._inductor.config.force_disable_caches = True
     H, D, B, T = 12, 64, a.batch, a.seq
     torch.manual_seed(0)
     cos, sin = (t.to(dev) for t in model.rope_cache(T, D, 10000.0))
