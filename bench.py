@@ -45,9 +45,8 @@ float32 with TF32, bf16 for bf16 (FP8 too, as train.py), fp16 for fp16; n/a for 
 peak listed), on a GPU model.PEAK_FLOPS does not list and off CUDA. Peak memory:
 torch.cuda.max_memory_allocated over the timed steps (n/a on CPU); with CUDA graphs (--compile_mode=reduce-overhead
 or max-autotune) over the rung's warm-up too, which records the graphs and allocates their memory (max-autotune:
-and its benchmarks' buffers). Activation memory
-(activation_mb, on every device): the bytes saved for backward in one micro-step, after the timed steps
-(activation_bytes).
+and its benchmarks' buffers). Activation memory (activation_mb, on every device): the bytes saved for backward in
+one micro-step, after the timed steps (activation_bytes).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line.
 """
@@ -797,6 +796,11 @@ def setup(argv):
     env.state = model.state_dict()  # on the CPU, copied into every rung's model
     if env.loss_chunk_tokens < 0:  # model.py's size for this shape
         env.loss_chunk_tokens = model.loss_chunk_tokens
+    memory = f'n/a on {device_type}'
+    if device_type == 'cuda':
+        memory = 'torch.cuda.max_memory_allocated over the timed steps'
+        if train.records_cuda_graphs(env.compile_mode, device_type):
+            memory += " (compiled rungs: and the rung's warm-up, which records the CUDA graphs)"
     env.meta = dict(command=' '.join(['python bench.py', *map(shlex.quote, argv)]),
                     date=time.strftime('%Y-%m-%d %H:%M %Z'), device=device_name(device_type, env.device),
                     device_type=device_type, torch=torch.__version__, preset=env.preset, model=env.config.to_dict(),
@@ -808,11 +812,7 @@ def setup(argv):
                     variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
                                   loss_chunk_tokens=env.loss_chunk_tokens, residual=env.residual,
                                   stage_data=env.stage_data),
-                    memory=f'n/a on {device_type}')
-    if device_type == 'cuda':
-        env.meta['memory'] = 'torch.cuda.max_memory_allocated over the timed steps'
-        if train.records_cuda_graphs(env.compile_mode, device_type):
-            env.meta['memory'] += " (compiled rungs: and the rung's warm-up, which records the CUDA graphs)"
+                    memory=memory)
     return env
 
 
