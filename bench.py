@@ -1,9 +1,9 @@
 """
 Benchmark the speed-ups of model.py and train.py as an ablation ladder, each rung adding one optimization
 to the rung before, then the memory options, each alone on top of the last rung; or (--mode=fit) find the
-largest micro-batch that fits in GPU memory; or (--mode=profile) profile the top rung's step: its kernels by
-time and the share of matmuls, attention, memory copies, elementwise and optimizer, and the device's idle
-time. Steps, optimizer and data are train.py's.
+largest micro-batch that fits in GPU memory; or (--mode=profile) profile one rung's step (the top rung, or
+--rungs=N): its kernels by time and the share of matmuls, attention, memory copies, elementwise and
+optimizer, and the device's idle time. Steps, optimizer and data are train.py's.
 
     python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
@@ -11,8 +11,11 @@ time. Steps, optimizer and data are train.py's.
     python bench.py --batch_size=8 --n_layer=24 --steps=20 --out=bench_h100
     python bench.py --rungs=8,12 --n_layer=18 --n_head=16 --n_embd=2048   # some rungs only: bf16 vs FP8 at 1.01B
     python bench.py --rungs=8,12 --fp8_recipe=rowwise   # the FP8 rung with rowwise scaling (default tensorwise)
+    python bench.py --rungs=8,12 --n_layer=16 --n_head=32 --n_kv_head=8 --n_embd=2048 --mlp_hidden=8192
+                                                     # Llama 3.2 1B's blocks (1.08B with GPT-2's vocabulary)
     python bench.py --mode=fit --tokens_per_step=524288   # GPU only: the batch_size and accumulation to use
     python bench.py --mode=profile                   # bench_out/profile.md: where the compiled 124M step goes
+    python bench.py --mode=profile --rungs=12 --n_layer=18 --n_head=16 --n_embd=2048   # FP8's step at 1.01B
     python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
     python bench.py --rungs=8 --rope=halves --loss_chunk_tokens=0                # (variants: see DEFAULTS)
     python bench.py --rungs=8 --stage_data=True      # the top rung without data loading: what loading costs
@@ -46,7 +49,9 @@ peak listed), on a GPU model.PEAK_FLOPS does not list and off CUDA. Peak memory:
 torch.cuda.max_memory_allocated over the timed steps (n/a on CPU); with CUDA graphs (--compile_mode=reduce-overhead
 or max-autotune) over the rung's warm-up too, which records the graphs and allocates their memory (max-autotune:
 and its benchmarks' buffers). Activation memory (activation_mb, on every device): the bytes saved for backward in
-one micro-step, after the timed steps (activation_bytes).
+one micro-step, after the timed steps (activation_bytes). Loss: the last timed step's (`loss`), and in bench.json
+each timed step's, in order (`losses`: averaged over many steps, they compare two precisions' training better
+than one step's loss).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line.
 """
@@ -79,10 +84,11 @@ from configurator import ConfigError, configure
 from model import GPT, GPTConfig, apply_rotary, attend, rotary_tables
 
 DEFAULTS = dict(
-    mode='ladder',          # 'ladder'; 'fit': the largest micro-batch that fits in GPU memory; 'profile': the
-                            # top rung's step under torch.profiler, its kernels by time and by kind
+    mode='ladder',          # 'ladder'; 'fit': the largest micro-batch that fits in GPU memory; 'profile': one
+                            # rung's step under torch.profiler, its kernels by time and by kind
     rungs='',               # ladder: the rungs to run, by number ('1,8,12'); the others are listed as not run
-                            # but still build the settings of the rungs after them. '' = all
+                            # but still build the settings of the rungs after them. '' = all. profile: the rung
+                            # ('12': FP8 on top of rung 8); '' = the top rung that runs here
     preset='auto',          # 'auto' (gpt2 on CUDA, small elsewhere), 'tiny', 'small' or 'gpt2'
     device='auto',          # as in train.py
     dtype='auto',           # rung 3: 'auto' (train.pick_dtype), 'bfloat16' or 'float16'
@@ -91,6 +97,7 @@ DEFAULTS = dict(
     warmup=0, steps=0,                                                        # 0: the preset's
     repeats=3,              # timings of `steps` optimizer steps, of which the median counts
     n_kv_head=0,            # 0: n_head
+    mlp_hidden=0,           # the MLP's hidden width; 0: GPTConfig's (8/3 n_embd for SwiGLU, in 64s)
     fp8_recipe='tensorwise',  # the FP8 rung's scaling, as train.py's: 'tensorwise' or 'rowwise'
     # variants, to measure one change at a time (recorded in bench.json's meta and fit.json's bench_variants):
     compile_mode='default',  # the compiled rungs' (8 on) torch.compile mode: 'default', 'reduce-overhead' (CUDA
@@ -121,7 +128,7 @@ PRESETS = {  # shape, batch and timing (warmup and steps in optimizer steps)
                  gradient_accumulation_steps=32, warmup=1, steps=1)}
 SDPA_BACKENDS = {'auto': None, 'cudnn': SDPBackend.CUDNN_ATTENTION, 'flash': SDPBackend.FLASH_ATTENTION,
                  'efficient': SDPBackend.EFFICIENT_ATTENTION}
-SHAPE = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'vocab_size', 'block_size')
+SHAPE = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'vocab_size', 'block_size')
 
 
 class BenchError(RuntimeError):
@@ -351,13 +358,15 @@ def run_rung(s, env, timed=nullcontext):
                 # NOTE: CUDA graphs allocate their memory while recording (the warm-up), and replays reuse it
                 # unallocated: a peak over the timed steps alone left out the activations (1.9 of 9.7 GB at 124M)
                 torch.cuda.reset_peak_memory_stats(env.device)
+        losses = []
         with timed() as watcher:
             for _ in range(env.repeats):
                 t0 = time.perf_counter()
                 for _ in range(env.steps):
-                    loss = step()[0]
-                loss = loss.item()  # waits for the device (CUDA, MPS) to finish
+                    losses.append(step()[0])
+                losses[-1].item()  # waits for the device (CUDA, MPS) to finish
                 times.append((time.perf_counter() - t0) / env.steps)
+        losses = [loss.item() for loss in losses]
         peak = torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device_type == 'cuda' else None
         x, y = batches.next()  # one more micro-step, untimed, to count what it saves for backward
         with autocast:
@@ -369,7 +378,7 @@ def run_rung(s, env, timed=nullcontext):
     # NOTE: float32 without TF32 (rung 1) has no peak in PEAK_FLOPS: the TF32 one would understate it several-fold
     plain_fp32 = s['dtype'] == 'float32' and not s['tf32']
     mfu = None if plain_fp32 else model.estimate_mfu(tokens_per_sec, env.device, s['dtype'], env.block_size)
-    return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=loss,
+    return dict(ms_per_iter=ms, tokens_per_sec=tokens_per_sec, loss=losses[-1], losses=losses,
                 mfu=mfu, mfu_peak=train.PEAK_LABEL[s['dtype']] if mfu is not None else None,
                 peak_mem_mb=peak,  # over the timed steps only (CUDA graphs: and the warm-up)
                 activation_mb=saved / 2**20, optimizer_state_mb=train.optimizer_state_bytes(optimizer) / 2**20,
@@ -393,7 +402,7 @@ def ladder(env):
         row = dict(rung=i, name=name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name,
                    precision=precision(trial, env.fp8_recipe), settings=trial, status='ok',
                    reason=why_skip(change, env), builds_on=base_row and base_row['name'],
-                   mfu_peak=None, **{key: None for key, _ in COLUMNS.values()})
+                   mfu_peak=None, losses=None, **{key: None for key, _ in COLUMNS.values()})
         if env.rungs and i not in env.rungs:
             row.update(status='not run', reason='not in --rungs', builds_on=None)
             if not (top or why_skip(change, env)):  # a rung left out still builds the next ones, and the next
@@ -639,17 +648,29 @@ def kernel_times(events):
     return spent, calls, shares, kind, busy / 1000
 
 
+def rung_settings(number, env):
+    """Rung `number` (1-based) as the ladder builds it: its name, its settings (the changes of the ladder's rungs
+    up to it that can run here; a memory rung's on top of all of them) and why it cannot run here (None: it can)."""
+    name, change = (LADDER + MEMORY)[number - 1]
+    s = dict(BASE)
+    for _, before in LADDER[:min(number, len(LADDER))]:
+        if not why_skip(before, env):
+            s.update(resolved(before, env))
+    return name, {**s, **resolved(change, env)}, why_skip(change, env)
+
+
 def profile(env):
-    """The top rung's optimizer steps under torch.profiler: the kernels (CUDA) or operators (CPU) that take the
-    most time, and the share of each kind, with the device's idle time (CUDA: the step's wall time that no
-    kernel covers: launch gaps, data loading, host syncs). Writes out/profile.md."""
+    """One rung's optimizer steps under torch.profiler (--rungs=N; by default the top rung that runs here): the
+    kernels (CUDA) or operators (CPU) that take the most time, and the share of each kind, with the device's idle
+    time (CUDA: the step's wall time that no kernel covers: launch gaps, data loading, host syncs). Writes
+    out/profile.md."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     cuda = env.device_type == 'cuda'
-    s = dict(BASE)
-    for _, change in LADDER:
-        if not why_skip(change, env):
-            s.update(resolved(change, env))
+    number = env.rungs[0] if env.rungs else max(i for i in range(1, len(LADDER) + 1) if not rung_settings(i, env)[2])
+    name, s, reason = rung_settings(number, env)
+    if reason:
+        raise BenchError(f"rung {number} ({name}) cannot run here: {reason}")
     env.repeats = 1
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     row = run_rung(s, env, timed=lambda: torch_profile(activities=activities))
@@ -675,7 +696,8 @@ def profile(env):
         busy_ms, what = sum(spent.values()) / 1000, 'operator'
     total = sum(spent.values()) or 1.0
     meta = env.meta
-    lines = ['# bench.py: profile of the top rung', '', f"- command: `{meta['command']}`", f"- date: {meta['date']}",
+    lines = [f'# bench.py: profile of rung {number} ({name})', '', f"- command: `{meta['command']}`",
+             f"- date: {meta['date']}",
              f"- device: {meta['device']}; torch {meta['torch']}", f"- model: {meta['params'] / 1e6:.2f}M parameters; "
              f"{meta['tokens_per_iter']:,} tokens per step ({meta['batch_size']} x {meta['block_size']} x "
              f"{meta['gradient_accumulation_steps']})", f"- rung: {precision(s, env.fp8_recipe)}; " + ', '.join(
@@ -739,7 +761,7 @@ def read_args(argv):
         raise ConfigError("--mode=fit runs eager (compile would recompile at every size): compile_mode does not apply")
     # what a mode sets itself, so that a setting it would ignore is no silent no-op
     own = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
-           'profile': (('rungs', 'repeats', 'tokens_per_step'), 'profiles the top rung, once'),
+           'profile': (('repeats', 'tokens_per_step'), 'profiles one rung (the top one, or --rungs=N), once'),
            'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile'),
                    'searches the micro-batch, eager, each try one warm-up and one timed step of 2 micro-steps')}
     keys, what = own[a['mode']]
@@ -752,6 +774,8 @@ def read_args(argv):
         raise ConfigError(f"rungs={a['rungs']!r}: expected rung numbers separated by commas, e.g. '1,8,12'") from None
     if any(not 1 <= r <= total for r in a['rungs']):
         raise ConfigError(f"rungs={a['rungs']}: the ladder's rungs are numbered 1 to {total}")
+    if a['mode'] == 'profile' and len(a['rungs']) > 1:
+        raise ConfigError(f"rungs={a['rungs']}: --mode=profile profiles one rung; run it once for each")
     if a['threads'] < 0:
         raise ConfigError(f"threads={a['threads']}: must be at least 0 (0: torch's default)")
     if not 0 <= a['seed'] < 2**63:

@@ -35,7 +35,7 @@ TINY = ['--preset=tiny', '--compile=False', '--device=cpu', '--data_dir=no-such-
 TOL = 1e-5  # fp32 rungs that change only speed end within ~3e-7 of the baseline's loss on the CPU
 ROW_KEYS = {'rung', 'name', 'precision', 'settings', 'status', 'reason', 'builds_on', 'ms_per_iter',
             'tokens_per_sec', 'mfu', 'peak_mem_mb', 'activation_mb', 'optimizer_state_mb', 'loss',
-            'speedup_vs_baseline', 'speedup_vs_prev', 'mfu_peak'}
+            'speedup_vs_baseline', 'speedup_vs_prev', 'mfu_peak', 'losses'}
 META_KEYS = {'command', 'date', 'device', 'torch', 'model', 'params', 'batch_size', 'block_size',
              'gradient_accumulation_steps', 'tokens_per_iter', 'step_note', 'warmup', 'steps', 'repeats', 'data',
              'rungs', 'variants'}
@@ -91,6 +91,10 @@ def test_speed_only_rungs_keep_the_baseline_loss(result):
     assert len(fp32) >= 4  # baseline, SDPA flash, fused QKV, activation checkpointing
     for r in fp32:
         assert abs(r['loss'] - baseline) < TOL, (r['name'], r['loss'], baseline)
+        # each timed step's loss, in order (the tiny preset: 3 repeats of 2 steps), the last one the rung's loss
+        assert len(r['losses']) == 6 and r['losses'][-1] == r['loss'], r['name']
+        assert max(abs(a - b) for a, b in zip(r['losses'], rungs[0]['losses'])) < TOL, r['name']
+    assert len(set(rungs[0]['losses'])) == 6  # 6 steps, 6 different batches
     for r in rungs:  # 8-bit optimizer states: close, not equal
         assert abs(r['loss'] - baseline) < 1e-2, (r['name'], r['loss'], baseline)
 
@@ -260,6 +264,52 @@ def test_profile_mode_profiles_the_top_rung_for_its_steps(tmp_path, monkeypatch)
     assert float(wall.replace(',', '')) == pytest.approx(2 * 128 / tokens_per_sec * 1000, rel=0.02, abs=0.06)
     flops = GPT(bench.setup(TINY).config).flops_per_token()
     assert float(mfu.replace(',', '')) / 100 == pytest.approx(flops * tokens_per_sec / 1e9, rel=0.01)
+
+
+def test_rung_settings_are_the_ladders(result):
+    # Reference: the settings each row of the ladder's run recorded (TINY on the CPU: TF32, bf16, fused AdamW,
+    # compile and FP8 skipped), the rungs the profile mode reads by number, and the reasons of the skipped ones
+    report, _ = result
+    env = bench.setup(TINY)
+    for row in report['rungs']:
+        name, settings, reason = bench.rung_settings(row['rung'], env)
+        assert (name, settings) == (row['name'], row['settings']), row['rung']
+        assert reason == (row['reason'] if row['status'] == 'skipped' else None), row['rung']
+
+
+def test_the_mlp_width_is_a_shape_setting(tmp_path):
+    # Reference: GPTConfig's own sizes: the tiny preset's 8/3 x 32 rounded up to 64s is 128; set, it is the
+    # model's (the MLP's three matrices: 3 x 32 x 96 parameters per block), and the report names it
+    assert bench.setup(TINY).config.mlp_hidden == 128
+    env = bench.setup([*TINY, '--mlp_hidden=96'])
+    assert env.config.mlp_hidden == 96 and env.meta['model']['mlp_hidden'] == 96
+    assert env.meta['params'] == bench.setup(TINY).meta['params'] - 2 * 3 * 32 * (128 - 96)
+    report = run_ladder(str(tmp_path), '--mlp_hidden=96', '--rungs=1')
+    assert report['model']['mlp_hidden'] == 96
+    assert 'mlp_hidden=96' in (tmp_path / 'bench.md').read_text()
+    with pytest.raises(bench.ConfigError, match=re.escape('mlp_hidden=-1 must be at least 0')):
+        bench.setup([*TINY, '--mlp_hidden=-1'])
+
+
+def test_profile_mode_profiles_the_rung_it_is_given(tmp_path, monkeypatch):
+    # Reference: rung 9 is full checkpointing on top of the top rung that runs here (rung 7 on the CPU with
+    # bf16 and compile off: the settings of test_profile_mode_profiles_the_top_rung_for_its_steps); a rung that
+    # cannot run here stops with its reason; several rungs are refused, before any measurement.
+    settings, real_run_rung = [], bench.run_rung
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env, **kw: settings.append(dict(s)) or real_run_rung(s, env, **kw))
+    assert bench.main([*TINY, f'--out={tmp_path}', '--mode=profile', '--dtype=bfloat16', '--rungs=9']) == 0
+    assert settings == [{**bench.BASE, 'dtype': 'bfloat16', 'attention': 'auto', 'fused_qkv': True,
+                         'chunked_loss': True, 'checkpointing': 'full'}]
+    text = (tmp_path / 'profile.md').read_text()
+    assert text.startswith('# bench.py: profile of rung 9 (+ act. ckpt full)\n')
+    assert '- rung: bf16 autocast; fused_qkv, chunked_loss\n' in text  # (checkpointing: not a True setting)
+    with pytest.raises(bench.BenchError, match=re.escape('rung 12 (+ FP8 linears) cannot run here: needs CUDA')):
+        bench.main([*TINY, f'--out={tmp_path}', '--mode=profile', '--rungs=12'])
+    with pytest.raises(bench.BenchError, match=re.escape('rung 8 (+ torch.compile) cannot run here: off (--compile')):
+        bench.main([*TINY, f'--out={tmp_path}', '--mode=profile', '--rungs=8'])
+    with pytest.raises(bench.ConfigError, match=re.escape('rungs=[8, 12]: --mode=profile profiles one rung')):
+        bench.main([*TINY, f'--out={tmp_path}', '--mode=profile', '--rungs=8,12'])
+    assert len(settings) == 1
 
 
 class KVSwapped(bench.SeparateQKVAttention):
@@ -524,8 +574,8 @@ def test_fit_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
     (['--sdpa_backend=cudnn'], "sdpa_backend='cudnn' is a CUDA kernel; on cpu: 'auto' or 'flash'"),
     (['--sdpa_backend=efficient'], "sdpa_backend='efficient' is a CUDA kernel"),
     (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
-    (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read rungs, repeats: it profiles the '
-                                                     'top rung, once'),
+    (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read repeats: it profiles one rung '
+                                                     '(the top one, or --rungs=N), once'),
     (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps, compile: it '
                                                     'searches the micro-batch'),  # (compile: TINY's)
     (['--mode=fit', '--compile=False'], '--mode=fit does not read compile: it searches the micro-batch, eager'),
@@ -1169,7 +1219,7 @@ def test_rope_probe_refuses_an_unknown_form(capsys):
     assert '--only: no form flip_head' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('part', 'abcde')
+@pytest.mark.parametrize('part', 'abcdef')
 def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
     # renamed or mistyped there would cost a step of that time. Its commands are recorded (python, nvidia-smi
