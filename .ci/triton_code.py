@@ -8,6 +8,7 @@ both libraries' internals, which other versions may have moved).
     python .ci/triton_code.py                        # one block of the 124M shape, 2 x 1024 tokens, bf16
     python .ci/triton_code.py --n_layer=2 --rope=halves --out=/tmp/code
     python .ci/triton_code.py --n_layer=12 --batch_size=16 --loss_chunk_tokens=4096   # a whole 124M micro-step
+    python .ci/triton_code.py --n_layer=2 --n_head=16 --n_embd=2048 --batch_size=8 --fp8=tensorwise  # FP8 at 1.01B
 
 How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the kernels as for a GPU, with
 triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do
@@ -15,6 +16,9 @@ nothing), so the step's numbers mean nothing: only the code does. model.py's CPU
 attention in float32 under CPU autocast) are switched to what CUDA runs. Where a GPU chooses otherwise, the
 code differs: attention here is the CPU's flash kernel (outside the generated code on any device), whose
 outputs' layout can differ from cuDNN's.
+With --fp8=tensorwise, the layers train.fp8_layer_filter keeps are torchao's Float8Linear, as train.convert_to_fp8
+makes them on a GPU (needs torchao; rowwise scaling cannot: torch's _scaled_mm takes per-tensor scales only on
+the CPU, and it runs here, as every matmul does).
 Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size,
 launches and the MB each launch moves by inductor's own estimate; then the micro-step's total, and the time it
 takes at the given bandwidth: an estimate of the Triton kernels' time, not a measurement (inductor counts a value
@@ -35,6 +39,8 @@ import model as model_module  # noqa: E402
 from configurator import configure  # noqa: E402
 
 DEFAULTS = dict(n_layer=1, n_head=12, n_embd=768, vocab_size=50304, block_size=1024, batch_size=2,
+                n_kv_head=0, mlp_hidden=0,  # 0: GPTConfig's
+                fp8='',            # 'tensorwise': FP8 linear layers (torchao), as train.py's fp8=True; '': none
                 dtype='bfloat16',  # autocast, as on a GPU; 'float32': none
                 rope='flip',       # 'halves': bench.rope_halves in place of model.apply_rotary
                 loss_chunk_tokens=-1,  # -1: model.py's chunk size; 0: the plain loss
@@ -109,8 +115,16 @@ def main(argv):
     if a['rope'] == 'halves':
         import bench
         model_module.apply_rotary = bench.rope_halves
-    config = model_module.GPTConfig(**{k: a[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')})
-    model = model_module.GPT(config)
+    if a['fp8'] not in ('', 'tensorwise'):
+        sys.exit(f"fp8={a['fp8']!r}: '' or 'tensorwise' (rowwise needs _scaled_mm with row scales, CUDA only)")
+    shape = ('n_layer', 'n_head', 'n_kv_head', 'n_embd', 'mlp_hidden', 'vocab_size', 'block_size')
+    model = model_module.GPT(model_module.GPTConfig(**{k: a[k] for k in shape}))
+    if a['fp8']:
+        import train
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        keep = train.fp8_layer_filter(a['fp8'])
+        print('FP8 layers:', ', '.join(name for name, module in model.named_modules() if keep(module, name)))
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(a['fp8']), module_filter_fn=keep)
     if a['loss_chunk_tokens'] >= 0:
         model.loss_chunk_tokens = a['loss_chunk_tokens']
     model.autocast_residual = a['autocast_residual']
