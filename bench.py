@@ -2,8 +2,8 @@
 Benchmark the speed-ups of model.py and train.py as an ablation ladder, each rung adding one optimization
 to the rung before, then the memory options, each alone on top of the last rung; or (--mode=fit) find the
 largest micro-batch that fits in GPU memory; or (--mode=profile) profile one rung's step (the top rung, or
---rungs=N): its kernels by time and the share of matmuls, attention, memory copies, elementwise and
-optimizer, and the device's idle time. Steps, optimizer and data are train.py's.
+--rungs=N): its kernels by time and the share of matmuls, attention, memory copies, elementwise (with FP8: the
+kernels that cast to it apart) and optimizer, and the device's idle time. Steps, optimizer and data are train.py's.
 
     python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
@@ -608,8 +608,16 @@ KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 
          ('elementwise and other', ('',))]
 
 
+# inductor's kernels (triton_, less its GEMM templates, triton_tem_) that cast to FP8 or find a tensor's absolute
+# maximum for the FP8 scale, by the ops their names list (nothing else in the step takes an abs): with FP8, the
+# casts fuse into the kernels around them (a norm, SwiGLU's backward), whose work then counts under this kind too
+FP8_CASTS = ('_scaled_mm', '_abs_')
+
+
 def kind_of(name):
     name = name.lower()
+    if name.startswith('triton_') and not name.startswith('triton_tem_') and any(p in name for p in FP8_CASTS):
+        return 'elementwise with FP8 casts'  # (a pattern of the matmuls' or attention's would claim some of them)
     return next(kind for kind, patterns in KINDS if any(p in name for p in patterns))
 
 

@@ -151,7 +151,14 @@ def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
              'Memcpy HtoD (Pageable -> Device)': 'memory copy',
              # inductor's fused kernels name the ops they fuse: a fused cast is no memory copy (seen on an H100)
              'triton_poi_fused__to_copy_add_cat_flip_mul_transpose_unsqueeze_view_8': 'elementwise and other',
-             'triton_tem_fused_mm_0': 'matmul'}
+             'triton_tem_fused_mm_0': 'matmul',
+             # FP8 (torchao, compiled; names from .ci/triton_code.py --fp8=tensorwise): the casts feeding _scaled_mm
+             # and the absolute maxima of the scales, alone or fused into a norm; the FP8 matmul itself
+             'triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_t_view_5': 'elementwise with FP8 casts',
+             'triton_red_fused_abs_max_t_3': 'elementwise with FP8 casts',
+             'triton_red_fused_abs_add_embedding_max_mean_mul_pow_rsqrt_1': 'elementwise with FP8 casts',
+             'sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_cgasize1x2x1_warpgroupsize1x1x1': 'matmul',
+             'aten::_scaled_mm': 'matmul'}
     for name, kind in names.items():
         assert bench.kind_of(name) == kind, name
     assert bench.main([*TINY, f'--out={tmp_path}', '--mode=profile']) == 0
