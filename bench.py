@@ -552,13 +552,18 @@ def fit(env):
     record = dict({k: env.meta[k] for k in keep}, bench_variants=env.meta['variants'],
                   tokens_per_step=n * env.block_size, complete=False, variants=variants)
     for name, change in FIT_VARIANTS:
-        failures, held = [], []
+        failures, held, outside = [], [], []
 
         def fits(batch):
             env.batch_size = batch
             if env.device_type == 'cuda':  # what a failed try left allocated (run_rung collects it first)
                 gc.collect()
+                torch.cuda.empty_cache()
                 held.append(torch.cuda.memory_allocated(env.device))
+                # and the device memory in use that torch's allocator does not hold (the CUDA context, libraries'
+                # own allocations, other processes): what the driver counts as used, less what torch reserved
+                free, total = torch.cuda.mem_get_info(env.device)
+                outside.append(total - free - torch.cuda.memory_reserved(env.device))
             try:
                 run_rung({**s, **change}, env)
                 return True
@@ -568,7 +573,8 @@ def fit(env):
                     return False  # run_rung empties the cache before the next try
                 raise
         row = dict(variant=name, settings={**s, **change}, micro_batch=None, batch_size=None,
-                   gradient_accumulation_steps=None, note='', failures=failures, held_before_try=held)
+                   gradient_accumulation_steps=None, note='', failures=failures, held_before_try=held,
+                   outside_torch_before_try=outside)
         try:
             best = largest_batch(fits, n)
             row.update(zip(('micro_batch', 'batch_size', 'gradient_accumulation_steps'), (best, *split_step(n, best))),
@@ -579,6 +585,10 @@ def fit(env):
         if held and max(held) > 2**30:  # a fitting size is then too small: the search is not to be trusted
             leak = f"(up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
             row['note'] = f"{row['note']} {leak}".strip()
+        if outside and max(outside) > 2 * 2**30:  # more than a CUDA context and the libraries' handles take
+            used = (f"(up to {max(outside) / 2**30:.1f} GiB of device memory in use outside torch's allocator "
+                    f"before a try)")
+            row['note'] = f"{row['note']} {used}".strip()
         variants.append(row)
         largest = '' if row['micro_batch'] is None else f"largest micro-batch {row['micro_batch']}: "  # None: skipped
         flags = (f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "

@@ -682,26 +682,39 @@ def test_mfu_names_the_peak_it_is_measured_against(tmp_path, monkeypatch):
     assert 'vs baseline: over rung 1 (fp32 eager), the first that ran' in table
 
 
+def fake_device_memory(monkeypatch, allocated, outside=lambda: 0):
+    """A made-up 80 GiB GPU for fit(): torch's allocator holds allocated() bytes and reserves 1 GiB, and outside()
+    bytes are in use outside it (what the driver's free memory shows)."""
+    total = 80 << 30
+    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: allocated())
+    monkeypatch.setattr(torch.cuda, 'memory_reserved', lambda device=None: 1 << 30)
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device=None: (total - (1 << 30) - outside(), total))
+    monkeypatch.setattr(torch.cuda, 'empty_cache', lambda: None)
+
+
 def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
-    # Reference: a made-up GPU whose failed tries leave 3 GiB allocated (and cuBLAS failing with ALLOC_FAILED
-    # past 6): each try's allocated bytes and each failure are recorded, and the row says the search saw a leak.
-    allocated = [0]
+    # Reference: a made-up GPU whose failed tries leave 3 GiB allocated and 5 GiB in use outside torch's allocator
+    # (and cuBLAS failing with ALLOC_FAILED past 6): each try's allocated and outside bytes and each failure are
+    # recorded, and the row says the search saw both.
+    allocated, outside = [0], [0]
 
     def fake_run_rung(s, env):
         if env.batch_size > 6:
-            allocated[0] = 3 << 30
+            allocated[0], outside[0] = 3 << 30, 5 << 30
             raise RuntimeError('CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`')
     env = fit_env(tmp_path, 2048)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
-    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: allocated[0])
+    fake_device_memory(monkeypatch, lambda: allocated[0], lambda: outside[0])
     assert bench.fit(env) == 0
     first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
     assert first['micro_batch'] == 6
     assert first['held_before_try'] == [0, 0, 0, 0, 3 << 30, 3 << 30]  # 1, 2, 4, 8 | 6, 7
+    assert first['outside_torch_before_try'] == [0, 0, 0, 0, 5 << 30, 5 << 30]
     assert [f['batch_size'] for f in first['failures']] == [8, 7]
     assert 'ALLOC_FAILED' in first['failures'][0]['error']
-    assert first['note'] == '(up to 3.0 GiB still allocated before a try: a leak)'
+    assert first['note'] == ("(up to 3.0 GiB still allocated before a try: a leak) (up to 5.0 GiB of device memory "
+                             "in use outside torch's allocator before a try)")
 
 
 def test_fit_mode_on_the_cpu_says_it_needs_a_gpu():
@@ -743,7 +756,7 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
     env = fit_env(tmp_path, 2050)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
-    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: next(allocated))
+    fake_device_memory(monkeypatch, lambda: next(allocated))
     monkeypatch.setattr(bench.gc, 'collect', lambda: 0)  # (fast: nothing to collect in a stand-in)
     assert bench.fit(env) == 0
     record = json.load(open(tmp_path / 'fit.json'))
@@ -758,6 +771,7 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
     assert other['micro_batch'] is None and other['note'] == 'failed: RuntimeError: cuDNN error: CUDNN_STATUS_BAD_PARAM'
     assert (last['micro_batch'], last['batch_size'], last['gradient_accumulation_steps']) == (5, 4, 16)
     assert last['held_before_try'] == [0, 3 << 30, 0, 0, 0, 0] and whole['held_before_try'] == [0] * 7
+    assert whole['outside_torch_before_try'] == [0] * 7  # (1 GiB reserved by torch is no memory outside it)
     assert last['note'] == '(up to 3.0 GiB still allocated before a try: a leak)'
     assert last['failures'][0] == {'batch_size': 8, 'error': 'OutOfMemoryError: CUDA out of memory. Tried to '
                                                              'allocate 2.00 GiB'}
