@@ -385,6 +385,11 @@ def run_rung(s, env, timed=nullcontext):
                 **({'timed': watcher} if watcher is not None else {}))
 
 
+def rung_name(name, change):
+    """A rung's name, as its resolved change makes it: rung 3 is fp16 autocast where the GPU lacks bf16."""
+    return name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name
+
+
 def resolved(change, env):
     """A rung's change with 'mixed' made the dtype it is here: train.pick_dtype's, or bfloat16 where that is
     float32 (what rung 3 is, when it is skipped too)."""
@@ -399,7 +404,7 @@ def ladder(env):
         base, base_row = top or (s, prev)
         change = resolved(change, env)
         trial = {**base, **change}
-        row = dict(rung=i, name=name.replace('bf16', 'fp16') if change.get('dtype') == 'float16' else name,
+        row = dict(rung=i, name=rung_name(name, change),
                    precision=precision(trial, env.fp8_recipe), settings=trial, status='ok',
                    reason=why_skip(change, env), builds_on=base_row and base_row['name'],
                    mfu_peak=None, losses=None, **{key: None for key, _ in COLUMNS.values()})
@@ -619,8 +624,10 @@ KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 
 
 
 # inductor's kernels (triton_, less its GEMM templates, triton_tem_) that cast to FP8 or find a tensor's absolute
-# maximum for the FP8 scale, by the ops their names list (nothing else in the step takes an abs): with FP8, the
-# casts fuse into the kernels around them (a norm, SwiGLU's backward), whose work then counts under this kind too
+# maximum for the FP8 scale, by the ops their names list (nothing else in the step takes an abs). NOTE: by name
+# only, this is not what FP8 costs: the casts fuse into the kernels around them (a norm, SwiGLU's backward), whose
+# work then counts here too, and FP8's extra copies of the weights' gradients (transposed, fp32) are named as
+# bf16's casts are. What FP8 adds is the FP8 rung's elementwise time, both kinds, less rung 8's
 FP8_CASTS = ('_scaled_mm', '_abs_')
 
 
@@ -668,13 +675,16 @@ def kernel_times(events):
 
 def rung_settings(number, env):
     """Rung `number` (1-based) as the ladder builds it: its name, its settings (the changes of the ladder's rungs
-    up to it that can run here; a memory rung's on top of all of them) and why it cannot run here (None: it can)."""
+    up to it that can run here; a memory rung's on top of all of them) and why it cannot run here (None: it can).
+    NOTE: a ladder whose rung fails while it runs builds the memory rungs on the last rung that ran; this cannot
+    know of such a failure, and builds them on all the ladder's rungs that can run here."""
     name, change = (LADDER + MEMORY)[number - 1]
     s = dict(BASE)
     for _, before in LADDER[:min(number, len(LADDER))]:
         if not why_skip(before, env):
             s.update(resolved(before, env))
-    return name, {**s, **resolved(change, env)}, why_skip(change, env)
+    change = resolved(change, env)
+    return rung_name(name, change), {**s, **change}, why_skip(change, env)
 
 
 def profile(env):

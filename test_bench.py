@@ -282,6 +282,8 @@ def test_rung_settings_are_the_ladders(result):
         name, settings, reason = bench.rung_settings(row['rung'], env)
         assert (name, settings) == (row['name'], row['settings']), row['rung']
         assert reason == (row['reason'] if row['status'] == 'skipped' else None), row['rung']
+    env.mixed = 'float16'  # a GPU without bf16 (train.pick_dtype): rung 3 is fp16 autocast, named so as in the ladder
+    assert bench.rung_settings(3, env)[:2] == ('+ fp16 autocast', {**bench.BASE, 'dtype': 'float16'})
 
 
 def test_the_mlp_width_is_a_shape_setting(tmp_path):
