@@ -17,6 +17,7 @@ kernels that cast to it apart) and optimizer, and the device's idle time. Steps,
     python bench.py --mode=profile                   # bench_out/profile.md: where the compiled 124M step goes
     python bench.py --mode=profile --rungs=12 --n_layer=18 --n_head=16 --n_embd=2048   # FP8's step at 1.01B
     python bench.py --rungs=8 --compile_mode=max-autotune --sdpa_backend=flash   # the top rung, one change at a time
+    python bench.py --rungs=8 --coordinate_descent_tuning=True   # inductor's kernels tuned as they compile
     python bench.py --rungs=8 --rope=halves --loss_chunk_tokens=0                # (variants: see DEFAULTS)
     python bench.py --rungs=8 --stage_data=True      # the top rung without data loading: what loading costs
     python bench.py --rungs=8 --residual=autocast    # the residual stream in bf16 (model.autocast_residual)
@@ -102,6 +103,8 @@ DEFAULTS = dict(
     # variants, to measure one change at a time (recorded in bench.json's meta and fit.json's bench_variants):
     compile_mode='default',  # the compiled rungs' (8 on) torch.compile mode: 'default', 'reduce-overhead' (CUDA
                              # graphs), 'max-autotune' or 'max-autotune-no-cudagraphs'
+    coordinate_descent_tuning=False,  # the compiled rungs: True tunes each Triton kernel's block sizes by timing
+                             # them as it compiles (inductor's coordinate_descent_tuning, without max-autotune's GEMMs)
     sdpa_backend='auto',     # rungs 4 on: 'auto' (SDPA picks), or only 'cudnn', 'flash' or 'efficient'
     loss_chunk_tokens=-1,    # the chunked-loss rungs: -1 model.py's chunk size; 0 the plain loss there too
     rope='flip',             # every rung: 'flip' (model.apply_rotary) or 'halves' (rope_halves, the textbook form)
@@ -348,8 +351,10 @@ def run_rung(s, env, timed=nullcontext):
     backend = SDPBackend.MATH if s['attention'] == 'math' else SDPA_BACKENDS[env.sdpa_backend]
     # NOTE: SDPA's backend is not in torch.compile's cache keys (torch 2.11 to 2.13): a graph an earlier run
     # compiled with another backend would come back from the cache, its attention kernels with it
-    caches_off = inductor_config.patch(force_disable_caches=True) if s['compile'] and backend else nullcontext()
-    with sdpa_kernel([backend]) if backend else nullcontext(), caches_off:
+    inductor = {'force_disable_caches': True} if s['compile'] and backend else {}
+    if s['compile'] and env.coordinate_descent_tuning:
+        inductor['coordinate_descent_tuning'] = True
+    with sdpa_kernel([backend]) if backend else nullcontext(), inductor_config.patch(inductor):
         for _ in range(env.warmup):  # compiles, allocates the optimizer state, warms the caches
             step()
         if env.device_type == 'cuda':
@@ -451,9 +456,11 @@ def variants_line(meta, ran):
         f" (one chunk: a micro-batch is {micro:,} tokens)" if v['loss_chunk_tokens'] >= micro else ''))
     residual = "in autocast's dtype" if v['residual'] == 'autocast' else 'float32'
     data = 'staged on the device (no loading)' if v['stage_data'] else 'loaded as train.py does'
-    parts = {'compile_mode': f"compile mode {v['compile_mode']}", 'sdpa_backend': f"SDPA backend {v['sdpa_backend']}",
-             'rope': f"RoPE {v['rope']}", 'loss_chunk_tokens': f"loss chunk {chunk}",
-             'residual': f"residual stream {residual}", 'stage_data': f"data {data}"}
+    tuned = ' + coordinate-descent tuning' if v['coordinate_descent_tuning'] else ''
+    parts = {'compile_mode': f"compile mode {v['compile_mode']}{tuned}",
+             'sdpa_backend': f"SDPA backend {v['sdpa_backend']}", 'rope': f"RoPE {v['rope']}",
+             'loss_chunk_tokens': f"loss chunk {chunk}", 'residual': f"residual stream {residual}",
+             'stage_data': f"data {data}"}
     for key, reads in VARIANT_READ_BY.items():
         if not any(reads(s) for s in ran):
             parts[key] += ' (read by no rung that ran)'
@@ -785,8 +792,9 @@ def read_args(argv):
     for key, allowed in choices.items():
         if a[key] not in allowed:
             raise ConfigError(f"{key}={a[key]!r}: expected one of {', '.join(map(repr, allowed))}")
-    if a['mode'] == 'fit' and a['compile_mode'] != 'default':
-        raise ConfigError("--mode=fit runs eager (compile would recompile at every size): compile_mode does not apply")
+    for key in ('compile_mode', 'coordinate_descent_tuning'):
+        if a['mode'] == 'fit' and a[key] != DEFAULTS[key]:
+            raise ConfigError(f"--mode=fit runs eager (compile would recompile at every size): {key} does not apply")
     # what a mode sets itself, so that a setting it would ignore is no silent no-op
     own = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
            'profile': (('repeats', 'tokens_per_step'), 'profiles one rung (the top one, or --rungs=N), once'),
@@ -861,7 +869,9 @@ def setup(argv):
                     tokens_per_iter=env.batch_size * env.block_size * env.gradient_accumulation_steps,
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
                     warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
-                    variants=dict(compile_mode=env.compile_mode, sdpa_backend=env.sdpa_backend, rope=env.rope,
+                    variants=dict(compile_mode=env.compile_mode,
+                                  coordinate_descent_tuning=env.coordinate_descent_tuning,
+                                  sdpa_backend=env.sdpa_backend, rope=env.rope,
                                   loss_chunk_tokens=env.loss_chunk_tokens, residual=env.residual,
                                   stage_data=env.stage_data),
                     memory=memory)

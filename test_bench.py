@@ -385,8 +385,9 @@ def test_separate_qkv_attention_matches_fused(n_kv_head, qk_norm):
 @pytest.mark.parametrize('chunk', [16, 0, -1])
 def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     # Reference: what each rung asks of SDPA, torch.compile and the loss, recorded as it runs: --sdpa_backend on
-    # the rungs from 4 on (the math kernel before them), --compile_mode on the compile rung, --loss_chunk_tokens
-    # on the chunked-loss rungs only (0: the plain loss there too; -1: model.py's size, 2^19 at 128 tokens).
+    # the rungs from 4 on (the math kernel before them), --compile_mode and --coordinate_descent_tuning on the compile
+    # rung (inductor's setting, as the loss runs), --loss_chunk_tokens on the chunked-loss rungs only (0: the plain
+    # loss there too; -1: model.py's size, 2^19 at 128 tokens).
     seen, real_kernel, real_apply = [], bench.sdpa_kernel, model_module.ChunkedCrossEntropy.apply
     real_run_rung = bench.run_rung
 
@@ -395,7 +396,7 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
         return real_run_rung(s, env, **kwargs)
 
     def apply(*args):
-        seen.append(('chunk', args[4]))
+        seen.append(('chunk', args[4], bench.inductor_config.coordinate_descent_tuning))
         return real_apply(*args)
     monkeypatch.setattr(bench, 'run_rung', run_rung)
     monkeypatch.setattr(bench, 'sdpa_kernel', lambda kernels: seen.append(('sdpa', *kernels)) or real_kernel(kernels))
@@ -404,7 +405,7 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     ropes, real_rope = [], bench.rope_halves
     monkeypatch.setattr(bench, 'rope_halves', lambda *args: ropes.append(1) or real_rope(*args))
     flags = ['--rungs=1,4,7,8', '--compile=True', '--sdpa_backend=flash', '--compile_mode=max-autotune',
-             f'--loss_chunk_tokens={chunk}', '--rope=halves']
+             '--coordinate_descent_tuning=True', f'--loss_chunk_tokens={chunk}', '--rope=halves']
     report = run_ladder(tmp_path, *flags)
     assert model_module.apply_rotary is bench.apply_rotary and bench.apply_rotary.__name__ == 'apply_rotary'  # again
     # rung 1 (separate q, k, v) and rungs 4-8 alike: 2 layers x (q, k) x (1 warm-up + 3 x 2 timed steps + 1 counted)
@@ -412,17 +413,19 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     assert [r['status'] for r in report['rungs'] if r['rung'] in (1, 4, 7, 8)] == ['ok'] * 4
     math, flash = ('sdpa', torch.nn.attention.SDPBackend.MATH), ('sdpa', torch.nn.attention.SDPBackend.FLASH_ATTENTION)
     size = 2 ** 19 if chunk < 0 else chunk
-    loss = [('chunk', size)] if size else []
+    eager, tuned = ([('chunk', size, on)] if size else [] for on in (False, True))
     steps = [e for i, e in enumerate(seen) if i == 0 or e != seen[i - 1]]  # one entry for a run of equal ones
-    assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *loss,
-                     ('rung', True, True), ('compile', 'max-autotune'), flash, *loss]
-    assert report['variants'] == dict(compile_mode='max-autotune', sdpa_backend='flash', rope='halves',
-                                      loss_chunk_tokens=size, residual='float32', stage_data=False)
+    assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *eager,
+                     ('rung', True, True), ('compile', 'max-autotune'), flash, *tuned]
+    assert not bench.inductor_config.coordinate_descent_tuning  # as it was
+    assert report['variants'] == dict(compile_mode='max-autotune', coordinate_descent_tuning=True, sdpa_backend='flash',
+                                      rope='halves', loss_chunk_tokens=size, residual='float32', stage_data=False)
     md = open(tmp_path / 'bench.md').read()
     # the chunk as it splits a 4 x 32 micro-batch; the residual variant is read by no rung: every one is float32
     chunk_words = (f'{size:,} tokens' + (' (one chunk: a micro-batch is 128 tokens)' if size >= 128 else '')
                    if size else '0 (the plain loss)')
-    assert (f'- variants: compile mode max-autotune, SDPA backend flash, RoPE halves, loss chunk {chunk_words}, '
+    assert (f'- variants: compile mode max-autotune + coordinate-descent tuning, SDPA backend flash, RoPE halves, '
+            f'loss chunk {chunk_words}, '
             'residual stream float32 (read by no rung that ran), data loaded as train.py does') in md
 
 
@@ -583,6 +586,7 @@ def test_fit_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
     (['--sdpa_backend=cudnn'], "sdpa_backend='cudnn' is a CUDA kernel; on cpu: 'auto' or 'flash'"),
     (['--sdpa_backend=efficient'], "sdpa_backend='efficient' is a CUDA kernel"),
     (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
+    (['--mode=fit', '--coordinate_descent_tuning=True'], 'coordinate_descent_tuning does not apply'),
     (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read repeats: it profiles one rung '
                                                      '(the top one, or --rungs=N), once'),
     (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps, compile: it '
@@ -947,8 +951,8 @@ def test_variants_line_marks_what_no_rung_that_ran_reads():
     # autocast; rope and stage_data every rung. A chunk as large as a micro-batch (batch_size x block_size tokens,
     # whatever the accumulation) is one chunk.
     meta = dict(batch_size=4, block_size=32, gradient_accumulation_steps=8, variants=dict(
-        compile_mode='default', sdpa_backend='auto', rope='flip', loss_chunk_tokens=128, residual='float32',
-        stage_data=True))
+        compile_mode='default', coordinate_descent_tuning=False, sdpa_backend='auto', rope='flip',
+        loss_chunk_tokens=128, residual='float32', stage_data=True))
     none = '(read by no rung that ran)'
     line = bench.variants_line(meta, [bench.BASE])
     assert line == (f'- variants: compile mode default {none}, SDPA backend auto {none}, RoPE flip, loss chunk 128 '
