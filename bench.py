@@ -702,7 +702,8 @@ def profile(env):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     cuda = env.device_type == 'cuda'
-    number = env.rungs[0] if env.rungs else max(i for i in range(1, len(LADDER) + 1) if not rung_settings(i, env)[2])
+    top = max(i for i, (_, change) in enumerate(LADDER, start=1) if not why_skip(change, env))  # the top that runs
+    number = env.rungs[0] if env.rungs else top
     name, s, reason = rung_settings(number, env)
     if reason:
         raise BenchError(f"rung {number} ({name}) cannot run here: {reason}")
