@@ -1,9 +1,10 @@
 """
 Benchmark the speed-ups of model.py and train.py as an ablation ladder, each rung adding one optimization
 to the rung before, then the memory options, each alone on top of the last rung; or (--mode=fit) find the
-largest micro-batch that fits in GPU memory; or (--mode=profile) profile one rung's step (the top rung, or
---rungs=N): its kernels by time and the share of matmuls, attention, memory copies, elementwise (with FP8: the
-kernels that cast to it apart) and optimizer, and the device's idle time. Steps, optimizer and data are train.py's.
+largest micro-batch that fits in GPU memory (its tries in child processes: FitTries); or (--mode=profile)
+profile one rung's step (the top rung, or --rungs=N): its kernels by time and the share of matmuls, attention,
+memory copies, elementwise (with FP8: the kernels that cast to it apart) and optimizer, and the device's idle
+time. Steps, optimizer and data are train.py's.
 
     python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
@@ -60,6 +61,7 @@ import collections
 import gc
 import json
 import math
+import multiprocessing
 import os
 import platform
 import shlex
@@ -546,15 +548,111 @@ def split_step(n, micro_batch):
 FIT_VARIANTS = [('as is', {}), ('act. ckpt full', dict(checkpointing='full')),
                 ('8-bit AdamW', dict(optimizer='adamw8bit')),
                 ('act. ckpt full + 8-bit AdamW', dict(checkpointing='full', optimizer='adamw8bit'))]
+FIT_START = 'spawn'  # how fit's child processes start: a fresh interpreter (CUDA cannot be used across a fork)
+
+
+def fit_steps(env):
+    """A try's steps: step 2 holds the optimizer state; its second micro-step the gradients too, as train.py's
+    micro-steps after the first do (4 bytes per parameter: a batch that fits without them can run out of memory
+    with accumulation)."""
+    env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 2
+    return env
+
+
+def try_batch(s, env):
+    """One try of fit mode, in this process: does a step of env.batch_size sequences with settings s fit? With the
+    memory torch still holds allocated before the try and the device memory in use outside its allocator."""
+    held = outside = None
+    if env.device_type == 'cuda':  # what an earlier try in this process left allocated
+        gc.collect()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated(env.device)
+        # and the device memory in use that torch's allocator does not hold (CUDA contexts, this one and fit's
+        # parent's; libraries' own allocations, other processes): what the driver counts as used, less what torch
+        # reserved
+        free, total = torch.cuda.mem_get_info(env.device)
+        outside = total - free - torch.cuda.memory_reserved(env.device)
+    result = dict(fits=True, error=None, held=held, outside=outside)
+    try:
+        run_rung(s, env)
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to get its workspace
+        if not (isinstance(e, torch.cuda.OutOfMemoryError) or 'ALLOC_FAILED' in str(e)):
+            raise
+        result.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    return result
+
+
+def fit_child(conn, env, argv):
+    """A child process of fit mode: runs the tries its parent sends, (settings, batch_size), with try_batch, and
+    answers each with its result, until one does not fit or raises (answered with the exception), or the parent
+    sends None or goes away. env is the parent's where the process was forked, else it is built from argv."""
+    try:
+        env = env or fit_steps(setup(argv))
+        with rope_variant(env.rope):  # (main's, in the parent)
+            while (job := conn.recv()) is not None:
+                s, env.batch_size = job
+                result = try_batch(s, env)
+                conn.send(result)
+                if not result['fits']:
+                    return
+    except EOFError:  # the parent is gone
+        return
+    except BaseException as e:  # a KeyboardInterrupt too: the parent stops as it would have
+        conn.send(e)
+
+
+class FitTries:
+    """fit's tries, each in a child process: a try that runs out of memory in the backward pass can leave that
+    step's tensors allocated for good (pytorch/pytorch#82218, open), after which every later try in the same
+    process runs out of memory too: the 2026-11-24 search on an H100 found micro-batches of 53, 12 and 66 for the
+    variants after the first, which use less memory than its 184 (about 5 GB left to each). So the child that ran
+    a try that failed is replaced by a new one for the next try; tries that fit run on in the same child (each
+    try's held memory, in fit.json, shows what one left behind)."""
+
+    def __init__(self, env):
+        self.env, self.child, self.conn = env, None, None
+
+    def __call__(self, s, batch):
+        if self.child is None:
+            context = multiprocessing.get_context(FIT_START)
+            self.conn, theirs = context.Pipe()
+            env = self.env if FIT_START == 'fork' else None  # a spawned child builds its own from the command line
+            self.child = context.Process(target=fit_child, args=(theirs, env, self.env.argv), daemon=True)
+            self.child.start()
+            theirs.close()
+        self.conn.send((s, batch))
+        try:
+            answer = self.conn.recv()
+        except EOFError:  # the child died in the try (killed, a crash), without an answer
+            self.close()
+            raise RuntimeError(f"the try of batch_size={batch} ended its process (exit code "
+                               f"{self.last_exit})") from None
+        if isinstance(answer, BaseException) or not answer['fits']:
+            self.close()  # the child has returned: the next try gets a fresh process
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self):
+        if self.child is None:
+            return
+        try:
+            self.conn.send(None)  # (a child still waiting for a try returns)
+        except OSError:
+            pass
+        self.child.join(60)
+        if self.child.is_alive():
+            self.child.kill()
+            self.child.join()
+        self.last_exit, self.child = self.child.exitcode, None
+        self.conn.close()
 
 
 def fit(env):
     # rung 7: eager, since compile would recompile for every size; compiled code usually needs less memory
     s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True,
          'chunked_loss': True}
-    # step 2 holds the optimizer state; its second micro-step the gradients too, as train.py's micro-steps after the
-    # first do (4 bytes per parameter: a batch that fits without them can run out of memory with accumulation)
-    env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps = 1, 1, 1, 2
+    fit_steps(env)
     n = max(1, env.tokens_per_step // env.block_size)  # sequences per optimizer step: no need to go past them
     print(f"fit: {env.meta['device']}, {env.meta['params'] / 1e6:.1f}M params, block_size {env.block_size}, "
           f"{precision(s, env.fp8_recipe)}, eager; {n * env.block_size:,} tokens per optimizer step")
@@ -563,27 +661,18 @@ def fit(env):
     keep = ('command', 'date', 'device', 'torch', 'model', 'params', 'block_size', 'data')
     record = dict({k: env.meta[k] for k in keep}, bench_variants=env.meta['variants'],
                   tokens_per_step=n * env.block_size, complete=False, variants=variants)
+    tries = FitTries(env)
     for name, change in FIT_VARIANTS:
         failures, held, outside = [], [], []
 
         def fits(batch):
-            env.batch_size = batch
-            if env.device_type == 'cuda':  # what a failed try left allocated (run_rung collects it first)
-                gc.collect()
-                torch.cuda.empty_cache()
-                held.append(torch.cuda.memory_allocated(env.device))
-                # and the device memory in use that torch's allocator does not hold (the CUDA context, libraries'
-                # own allocations, other processes): what the driver counts as used, less what torch reserved
-                free, total = torch.cuda.mem_get_info(env.device)
-                outside.append(total - free - torch.cuda.memory_reserved(env.device))
-            try:
-                run_rung({**s, **change}, env)
-                return True
-            except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to get its workspace
-                if isinstance(e, torch.cuda.OutOfMemoryError) or 'ALLOC_FAILED' in str(e):
-                    failures.append(dict(batch_size=batch, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
-                    return False  # run_rung empties the cache before the next try
-                raise
+            result = tries({**s, **change}, batch)
+            if result['held'] is not None:  # (CUDA only)
+                held.append(result['held'])
+                outside.append(result['outside'])
+            if result['error']:
+                failures.append(dict(batch_size=batch, error=result['error']))
+            return result['fits']
         row = dict(variant=name, settings={**s, **change}, micro_batch=None, batch_size=None,
                    gradient_accumulation_steps=None, note='', failures=failures, held_before_try=held,
                    outside_torch_before_try=outside)
@@ -611,6 +700,7 @@ def fit(env):
         with open(f'{path}.tmp', 'w') as f:
             json.dump(record, f, indent=1)
         os.replace(f'{path}.tmp', path)
+    tries.close()  # (on an exception, a daemon child ends with this process, or at its pipe's end)
     return 0
 
 
@@ -843,7 +933,7 @@ def setup(argv):
         config = GPTConfig(**{k: a[k] for k in SHAPE})
     except ValueError as e:  # a shape GPTConfig rejects, with its reason
         raise ConfigError(str(e)) from None
-    env = SimpleNamespace(**a, device_type=device_type, config=config)
+    env = SimpleNamespace(**a, device_type=device_type, config=config, argv=list(argv))  # argv: fit's children
     env.mixed, env.mixed_reason = train.pick_dtype(a['dtype'], device_type)
     try:
         meta = train.read_meta(env.data_dir)

@@ -529,12 +529,24 @@ def test_split_step(n, micro, expected):
     assert bench.split_step(n, micro) == expected
 
 
-def fit_env(tmp_path, tokens_per_step):
+def fit_env(tmp_path, tokens_per_step, monkeypatch, start='fork'):
     """A tiny ladder's namespace from bench.setup, for calling fit() on the CPU (setup refuses --mode=fit without
-    CUDA), with tokens_per_step set afterwards (a ladder refuses the flag)."""
+    CUDA), with tokens_per_step set afterwards (a ladder refuses the flag). fit's children are forked: they run
+    with the test's stand-ins, which a spawned child would not have (what they do in a child stays there)."""
     env = bench.setup([*TINY, f'--out={tmp_path}'])
     env.tokens_per_step = tokens_per_step
+    monkeypatch.setattr(bench, 'FIT_START', start)
     return env
+
+
+def child_record(path, item):
+    """Appends item to path as a line of JSON: what a stand-in saw in fit's child process, for the test to read."""
+    with open(path, 'a') as f:
+        f.write(json.dumps(item) + '\n')
+
+
+def child_records(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
 def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, capsys):
@@ -546,7 +558,7 @@ def test_fit_finds_the_largest_batch_for_each_variant(tmp_path, monkeypatch, cap
             raise bench.BenchError('optimizer=adamw8bit needs bitsandbytes')
         if env.batch_size > limits[s['checkpointing'], s['optimizer']]:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
-    env = fit_env(tmp_path, 2048)  # 64 sequences of 32 tokens
+    env = fit_env(tmp_path, 2048, monkeypatch)  # 64 sequences of 32 tokens
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     assert bench.fit(env) == 0
     variants = json.load(open(tmp_path / 'fit.json'))['variants']
@@ -573,7 +585,7 @@ def test_fit_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         if env.batch_size > 20:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
-    env = fit_env(tmp_path, 2048)
+    env = fit_env(tmp_path, 2048, monkeypatch)
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     with pytest.raises(KeyboardInterrupt):
         bench.fit(env)
@@ -659,17 +671,18 @@ def test_fit_tries_micro_steps_that_hold_the_gradients(tmp_path, monkeypatch):
     # Reference: train.py's micro-steps after a step's first run their forward and backward while the gradients of
     # the ones before are held (4 bytes per parameter). A try of fit mode must run such a micro-step, or the
     # largest batch it finds can run out of memory in train.py with gradient accumulation.
-    held, forward = [], GPT.forward
+    forward, seen = GPT.forward, tmp_path / 'held.jsonl'
 
     def spy(self, idx, *args, **kwargs):
         if self.training and torch.is_grad_enabled():
-            held.append(any(p.grad is not None for p in self.parameters()))
+            child_record(seen, any(p.grad is not None for p in self.parameters()))
         return forward(self, idx, *args, **kwargs)
     monkeypatch.setattr(GPT, 'forward', spy)
     monkeypatch.setattr(bench, 'largest_batch', lambda fits, n: 2 if fits(2) else 0)  # one try per variant
-    env = fit_env(tmp_path, 2048)
+    env = fit_env(tmp_path, 2048, monkeypatch)
     assert bench.fit(env) == 0
-    assert any(held), held
+    held = child_records(seen)
+    assert held and any(held), held
 
 
 def test_mfu_names_the_peak_it_is_measured_against(tmp_path, monkeypatch):
@@ -698,29 +711,80 @@ def fake_device_memory(monkeypatch, allocated, outside=lambda: 0):
     monkeypatch.setattr(torch.cuda, 'empty_cache', lambda: None)
 
 
-def test_fit_records_what_a_failed_try_left_allocated(tmp_path, monkeypatch):
-    # Reference: a made-up GPU whose failed tries leave 3 GiB allocated and 5 GiB in use outside torch's allocator
-    # (and cuBLAS failing with ALLOC_FAILED past 6): each try's allocated and outside bytes and each failure are
-    # recorded, and the row says the search saw both.
+def test_fit_records_what_a_try_left_allocated_and_starts_afresh_after_a_failure(tmp_path, monkeypatch):
+    # Reference: a made-up GPU on which the try of 4 fits but leaves 2 GiB allocated and 4 GiB in use outside torch's
+    # allocator, and each try past 6 fails with ALLOC_FAILED (cuBLAS), leaving 3 and 5 GiB: the try after the 4 (8,
+    # the same process) finds what it left, and the tries after a failure (6, 7) run in a new process, which finds
+    # nothing of the failed one's. Each try's held and outside bytes and each failure are recorded, and the row
+    # says what the search saw.
     allocated, outside = [0], [0]
 
     def fake_run_rung(s, env):
         if env.batch_size > 6:
             allocated[0], outside[0] = 3 << 30, 5 << 30
             raise RuntimeError('CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`')
-    env = fit_env(tmp_path, 2048)
+        if env.batch_size == 4:
+            allocated[0], outside[0] = 2 << 30, 4 << 30
+    env = fit_env(tmp_path, 2048, monkeypatch)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
     fake_device_memory(monkeypatch, lambda: allocated[0], lambda: outside[0])
     assert bench.fit(env) == 0
     first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
     assert first['micro_batch'] == 6
-    assert first['held_before_try'] == [0, 0, 0, 0, 3 << 30, 3 << 30]  # 1, 2, 4, 8 | 6, 7
-    assert first['outside_torch_before_try'] == [0, 0, 0, 0, 5 << 30, 5 << 30]
+    assert first['held_before_try'] == [0, 0, 0, 2 << 30, 0, 0]  # 1, 2, 4, 8 | 6 | 7: a process for each bar
+    assert first['outside_torch_before_try'] == [0, 0, 0, 4 << 30, 0, 0]
     assert [f['batch_size'] for f in first['failures']] == [8, 7]
     assert 'ALLOC_FAILED' in first['failures'][0]['error']
-    assert first['note'] == ("(up to 3.0 GiB still allocated before a try: a leak) (up to 5.0 GiB of device memory "
+    assert first['note'] == ("(up to 2.0 GiB still allocated before a try: a leak) (up to 4.0 GiB of device memory "
                              "in use outside torch's allocator before a try)")
+    assert allocated == [0] and outside == [0]  # (this process ran no try)
+
+
+def test_fit_is_not_misled_by_what_a_failed_try_leaves_behind(tmp_path, monkeypatch):
+    # Reference: the largest size that fits, 37 (of 64). A stand-in for pytorch/pytorch#82218: a try that runs
+    # out of memory leaves its tensors in its process for good, so that every later try there runs out of memory
+    # too. In one process the search would answer 32, the last size that fit before the first failure (64).
+    leaked = []
+
+    def fake_run_rung(s, env):
+        if leaked or env.batch_size > 37:
+            leaked.append(env.batch_size)
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory')
+    env = fit_env(tmp_path, 2048, monkeypatch)
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    monkeypatch.setattr(bench, 'FIT_VARIANTS', bench.FIT_VARIANTS[:1])
+    assert bench.fit(env) == 0
+    first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
+    assert first['micro_batch'] == 37 and [f['batch_size'] for f in first['failures']] == [64, 48, 40, 38]
+
+
+def test_fit_says_when_a_try_ended_its_process(tmp_path, monkeypatch):
+    # Reference: a try whose process dies without an answer (killed, a crash) stops the variant's search with the
+    # exit code, as any error that is not out of memory does; the next variant's tries run in a new process.
+    def fake_run_rung(s, env):
+        if s['checkpointing'] == 'full' and env.batch_size == 4:
+            os._exit(3)
+    env = fit_env(tmp_path, 256, monkeypatch)  # 8 sequences
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    monkeypatch.setattr(bench, 'FIT_VARIANTS', bench.FIT_VARIANTS[:2] + [('as is, again', {})])
+    assert bench.fit(env) == 0
+    rows = json.load(open(tmp_path / 'fit.json'))['variants']
+    assert rows[1]['micro_batch'] is None
+    assert rows[1]['note'] == 'failed: RuntimeError: the try of batch_size=4 ended its process (exit code 3)'
+    assert [r['micro_batch'] for r in (rows[0], rows[2])] == [8, 8]
+
+
+def test_fit_tries_run_in_a_spawned_process_built_from_the_command_line(tmp_path, monkeypatch):
+    # Reference: the tiny ladder's model trains on the CPU at 1, 2 and 4 sequences, so the whole step of 4 fits; the
+    # tries run in a child process that spawned a fresh interpreter and rebuilt the run from env.argv, as on CUDA
+    # (a fork would carry CUDA's state over). What this process's run_rung would do is never called.
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env: pytest.fail('a try ran in the parent process'))
+    env = fit_env(tmp_path, 128, monkeypatch, start='spawn')  # 4 sequences of 32 tokens
+    monkeypatch.setattr(bench, 'FIT_VARIANTS', bench.FIT_VARIANTS[:1])
+    assert bench.FIT_START == 'spawn' and bench.fit(env) == 0
+    first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
+    assert (first['micro_batch'], first['note'], first['failures']) == (4, 'the whole step fits in one micro-batch', [])
 
 
 def test_fit_mode_on_the_cpu_says_it_needs_a_gpu():
@@ -746,23 +810,25 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
     # past 5 sequences with a two-line message (recorded: its first line), and its second try (2) finds 3 GiB
     # still allocated (a leak, whatever the later tries find). Each try runs the top ladder rung that runs eager
     # (rung 7) with the variant's change.
-    tries = []
-    # tries: 'as is' 1, 2, ..., 64; 'act. ckpt full' 1; '8-bit AdamW' 1; the last 1, 2, 4, 8, then 6, 5
-    allocated = iter([0] * (7 + 1 + 1 + 1) + [3 << 30] + [0] * 4)
+    # tries: 'as is' 1, 2, ..., 64; 'act. ckpt full' 1; '8-bit AdamW' 1; the last 1, 2, 4, 8, then 6, 5; the try of
+    # 1 in the last variant leaves 3 GiB allocated, which its process's next try (2) finds
+    seen, leaked = tmp_path / 'tries.jsonl', [0]
 
     def fake_run_rung(s, env):
-        tries.append(dict(s))
-        if s['checkpointing'] == 'full' and s['optimizer'] == 'adamw8bit':
+        child_record(seen, s)
+        last = s['checkpointing'] == 'full' and s['optimizer'] == 'adamw8bit'
+        leaked[0] = 3 << 30 if last and env.batch_size == 1 else 0
+        if last:
             if env.batch_size > 5:
                 raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB\nGPU 0 details')
         elif s['checkpointing'] == 'full':
             raise torch.cuda.OutOfMemoryError('CUDA out of memory')
         elif s['optimizer'] == 'adamw8bit':
             raise RuntimeError('cuDNN error: CUDNN_STATUS_BAD_PARAM')
-    env = fit_env(tmp_path, 2050)
+    env = fit_env(tmp_path, 2050, monkeypatch)
     env.device_type = 'cuda'
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
-    fake_device_memory(monkeypatch, lambda: next(allocated))
+    fake_device_memory(monkeypatch, lambda: leaked[0])
     monkeypatch.setattr(bench.gc, 'collect', lambda: 0)  # (fast: nothing to collect in a stand-in)
     assert bench.fit(env) == 0
     record = json.load(open(tmp_path / 'fit.json'))
@@ -783,15 +849,16 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
                                                              'allocate 2.00 GiB'}
     rung7 = {**bench.BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True,
              'fused_adamw': True, 'chunked_loss': True}
-    assert whole['settings'] == tries[0] == rung7
-    assert last['settings'] == {**rung7, 'checkpointing': 'full', 'optimizer': 'adamw8bit'}
+    tries = child_records(seen)
+    assert len(tries) == 7 + 1 + 1 + 6 and whole['settings'] == tries[0] == rung7
+    assert last['settings'] == tries[-1] == {**rung7, 'checkpointing': 'full', 'optimizer': 'adamw8bit'}
     assert all(t == rung7 for t in tries[:7])  # 1, 2, ..., 64 for 'as is'
 
 
 def test_fit_takes_a_step_of_at_least_one_sequence(tmp_path, monkeypatch):
     # Reference: a step holds whole sequences, at least one: 16 tokens asked of 32-token sequences is one sequence
     monkeypatch.setattr(bench, 'run_rung', lambda s, env: None)  # every size fits
-    env = fit_env(tmp_path, 16)
+    env = fit_env(tmp_path, 16, monkeypatch)
     assert bench.fit(env) == 0
     record = json.load(open(tmp_path / 'fit.json'))
     assert record['tokens_per_step'] == 32
