@@ -63,6 +63,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import platform
 import shlex
 import statistics
@@ -561,7 +562,8 @@ def fit_steps(env):
 
 def try_batch(s, env):
     """One try of fit mode, in this process: does a step of env.batch_size sequences with settings s fit? With the
-    memory torch still holds allocated before the try and the device memory in use outside its allocator."""
+    memory torch still holds allocated before the try and the device memory in use outside its allocator, and
+    after a try that failed, what it left allocated."""
     held = outside = None
     if env.device_type == 'cuda':  # what an earlier try in this process left allocated
         gc.collect()
@@ -572,13 +574,17 @@ def try_batch(s, env):
         # reserved
         free, total = torch.cuda.mem_get_info(env.device)
         outside = total - free - torch.cuda.memory_reserved(env.device)
-    result = dict(fits=True, error=None, held=held, outside=outside)
+    result = dict(fits=True, error=None, held=held, outside=outside, left=None)
     try:
         run_rung(s, env)
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to get its workspace
         if not (isinstance(e, torch.cuda.OutOfMemoryError) or 'ALLOC_FAILED' in str(e)):
             raise
         result.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    if not result['fits'] and env.device_type == 'cuda':  # (the error and its frames gone by now)
+        gc.collect()
+        torch.cuda.empty_cache()
+        result['left'] = torch.cuda.memory_allocated(env.device)
     return result
 
 
@@ -589,28 +595,40 @@ def fit_child(conn, env, argv):
     try:
         env = env or fit_steps(setup(argv))
         with rope_variant(env.rope):  # (main's, in the parent)
-            while (job := conn.recv()) is not None:
+            while True:
+                try:
+                    job = conn.recv()
+                except EOFError:  # the parent is gone
+                    return
+                if job is None:
+                    return
                 s, env.batch_size = job
                 result = try_batch(s, env)
                 conn.send(result)
                 if not result['fits']:
                     return
-    except EOFError:  # the parent is gone
-        return
     except BaseException as e:  # a KeyboardInterrupt too: the parent stops as it would have
-        conn.send(e)
+        try:
+            pickle.loads(pickle.dumps(e))  # an exception the parent could not rebuild is sent as its text
+        except Exception:
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        try:
+            conn.send(e)
+        except OSError:  # the parent is gone
+            pass
 
 
 class FitTries:
     """fit's tries, each in a child process: a try that runs out of memory in the backward pass can leave that
-    step's tensors allocated for good (pytorch/pytorch#82218, open), after which every later try in the same
-    process runs out of memory too: the 2026-11-24 search on an H100 found micro-batches of 53, 12 and 66 for the
-    variants after the first, which use less memory than its 184 (about 5 GB left to each). So the child that ran
-    a try that failed is replaced by a new one for the next try; tries that fit run on in the same child (each
-    try's held memory, in fit.json, shows what one left behind)."""
+    step's tensors allocated for good (pytorch/pytorch#82218, open), and later tries in the same process get only
+    what is left: the 2026-11-24 search on an H100 found micro-batches of 53, 12 and 66 for the variants after the
+    first, which need less memory than its 184 (a few GB left to each, by arithmetic on those sizes). So the child
+    that ran a try that failed is replaced by a new one for the next try; tries that fit run on in the same child.
+    fit.json keeps, for each try, what an earlier one left allocated (held) and, for each failure, what it left
+    after its error (left_allocated): the leak itself, where there is one."""
 
     def __init__(self, env):
-        self.env, self.child, self.conn = env, None, None
+        self.env, self.child, self.conn, self.last_exit = env, None, None, None
 
     def __call__(self, s, batch):
         if self.child is None:
@@ -620,13 +638,18 @@ class FitTries:
             self.child = context.Process(target=fit_child, args=(theirs, env, self.env.argv), daemon=True)
             self.child.start()
             theirs.close()
-        self.conn.send((s, batch))
         try:
+            self.conn.send((s, batch))
             answer = self.conn.recv()
-        except EOFError:  # the child died in the try (killed, a crash), without an answer
+        except (EOFError, OSError):  # the child died (killed, a crash) without an answer
             self.close()
-            raise RuntimeError(f"the try of batch_size={batch} ended its process (exit code "
-                               f"{self.last_exit})") from None
+            code = self.last_exit
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            raise RuntimeError(f"fit's child process ended without an answer to the try of batch_size={batch} "
+                               f"({how})") from None
+        except BaseException:
+            self.close()
+            raise
         if isinstance(answer, BaseException) or not answer['fits']:
             self.close()  # the child has returned: the next try gets a fresh process
         if isinstance(answer, BaseException):
@@ -648,6 +671,43 @@ class FitTries:
         self.conn.close()
 
 
+def fit_variant(s, n, tries):
+    """fit.json's row for settings s: the largest micro-batch of at most n sequences that fits, each size tried by
+    tries, with each failure and what the search saw of leaks and of memory outside torch."""
+    failures, held, outside = [], [], []
+
+    def fits(batch):
+        result = tries(s, batch)
+        if result['held'] is not None:  # (CUDA only)
+            held.append(result['held'])
+            outside.append(result['outside'])
+        if result['error']:
+            left = {} if result['left'] is None else {'left_allocated': result['left']}  # (CUDA only)
+            failures.append(dict(batch_size=batch, error=result['error'], **left))
+        return result['fits']
+    row = dict(settings=s, micro_batch=None, batch_size=None, gradient_accumulation_steps=None, note='',
+               failures=failures, held_before_try=held, outside_torch_before_try=outside)
+    try:
+        best = largest_batch(fits, n)
+        row.update(zip(('micro_batch', 'batch_size', 'gradient_accumulation_steps'), (best, *split_step(n, best))),
+                   note='' if 0 < best < n else 'the whole step fits in one micro-batch' if best else
+                   'does not fit even at batch_size=1')
+    except Exception as e:
+        row['note'] = f"skipped: {e}" if isinstance(e, BenchError) else f"failed: {type(e).__name__}: {e}"
+    notes = [row['note']] if row['note'] else []
+    if held and max(held) > 2**30:  # a fitting size is then too small: the search is not to be trusted
+        notes.append(f"(up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)")
+    if outside and max(outside) > 2 * 2**30:  # more than a CUDA context and the libraries' handles take
+        notes.append(f"(up to {max(outside) / 2**30:.1f} GiB of device memory in use outside torch's allocator "
+                     f"before a try)")
+    left = [f['left_allocated'] for f in failures if 'left_allocated' in f]
+    if left and max(left) > 2**30:  # the leak FitTries keeps from the next try (pytorch/pytorch#82218)
+        notes.append(f"(a failed try left up to {max(left) / 2**30:.1f} GiB allocated: the next ran in a new "
+                     f"process)")
+    row['note'] = ' '.join(notes)
+    return row
+
+
 def fit(env):
     # rung 7: eager, since compile would recompile for every size; compiled code usually needs less memory
     s = {**BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True, 'fused_adamw': True,
@@ -662,45 +722,21 @@ def fit(env):
     record = dict({k: env.meta[k] for k in keep}, bench_variants=env.meta['variants'],
                   tokens_per_step=n * env.block_size, complete=False, variants=variants)
     tries = FitTries(env)
-    for name, change in FIT_VARIANTS:
-        failures, held, outside = [], [], []
-
-        def fits(batch):
-            result = tries({**s, **change}, batch)
-            if result['held'] is not None:  # (CUDA only)
-                held.append(result['held'])
-                outside.append(result['outside'])
-            if result['error']:
-                failures.append(dict(batch_size=batch, error=result['error']))
-            return result['fits']
-        row = dict(variant=name, settings={**s, **change}, micro_batch=None, batch_size=None,
-                   gradient_accumulation_steps=None, note='', failures=failures, held_before_try=held,
-                   outside_torch_before_try=outside)
-        try:
-            best = largest_batch(fits, n)
-            row.update(zip(('micro_batch', 'batch_size', 'gradient_accumulation_steps'), (best, *split_step(n, best))),
-                       note='' if 0 < best < n else 'the whole step fits in one micro-batch' if best else
-                       'does not fit even at batch_size=1')
-        except Exception as e:
-            row['note'] = f"skipped: {e}" if isinstance(e, BenchError) else f"failed: {type(e).__name__}: {e}"
-        if held and max(held) > 2**30:  # a fitting size is then too small: the search is not to be trusted
-            leak = f"(up to {max(held) / 2**30:.1f} GiB still allocated before a try: a leak)"
-            row['note'] = f"{row['note']} {leak}".strip()
-        if outside and max(outside) > 2 * 2**30:  # more than a CUDA context and the libraries' handles take
-            used = (f"(up to {max(outside) / 2**30:.1f} GiB of device memory in use outside torch's allocator "
-                    f"before a try)")
-            row['note'] = f"{row['note']} {used}".strip()
-        variants.append(row)
-        largest = '' if row['micro_batch'] is None else f"largest micro-batch {row['micro_batch']}: "  # None: skipped
-        flags = (f"--batch_size={row['batch_size']} --gradient_accumulation_steps={row['gradient_accumulation_steps']} "
-                 if row['batch_size'] else '')
-        print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
-        record['complete'] = len(variants) == len(FIT_VARIANTS)
-        path = os.path.join(env.out, 'fit.json')  # after each variant, whole: a run cut short keeps the rows it has
-        with open(f'{path}.tmp', 'w') as f:
-            json.dump(record, f, indent=1)
-        os.replace(f'{path}.tmp', path)
-    tries.close()  # (on an exception, a daemon child ends with this process, or at its pipe's end)
+    try:
+        for name, change in FIT_VARIANTS:
+            row = dict(variant=name, **fit_variant({**s, **change}, n, tries))
+            variants.append(row)
+            largest = '' if row['micro_batch'] is None else f"largest micro-batch {row['micro_batch']}: "  # skipped
+            batch, accum = row['batch_size'], row['gradient_accumulation_steps']
+            flags = f"--batch_size={batch} --gradient_accumulation_steps={accum} " if batch else ''
+            print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
+            record['complete'] = len(variants) == len(FIT_VARIANTS)
+            path = os.path.join(env.out, 'fit.json')  # after each variant, whole: a run cut short keeps its rows
+            with open(f'{path}.tmp', 'w') as f:
+                json.dump(record, f, indent=1)
+            os.replace(f'{path}.tmp', path)
+    finally:  # (else a daemon child ends with this process, or at its pipe's end)
+        tries.close()
     return 0
 
 

@@ -11,10 +11,13 @@ block, the logits the chunked loss drops); .ci/gpu's commands against bench.py's
 """
 import importlib.util
 import json
+import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -734,11 +737,13 @@ def test_fit_records_what_a_try_left_allocated_and_starts_afresh_after_a_failure
     assert first['micro_batch'] == 6
     assert first['held_before_try'] == [0, 0, 0, 2 << 30, 0, 0]  # 1, 2, 4, 8 | 6 | 7: a process for each bar
     assert first['outside_torch_before_try'] == [0, 0, 0, 4 << 30, 0, 0]
-    assert [f['batch_size'] for f in first['failures']] == [8, 7]
+    assert [(f['batch_size'], f['left_allocated']) for f in first['failures']] == [(8, 3 << 30), (7, 3 << 30)]
     assert 'ALLOC_FAILED' in first['failures'][0]['error']
     assert first['note'] == ("(up to 2.0 GiB still allocated before a try: a leak) (up to 4.0 GiB of device memory "
-                             "in use outside torch's allocator before a try)")
+                             "in use outside torch's allocator before a try) (a failed try left up to 3.0 GiB "
+                             "allocated: the next ran in a new process)")
     assert allocated == [0] and outside == [0]  # (this process ran no try)
+    assert multiprocessing.active_children() == []  # each child joined, the last one too
 
 
 def test_fit_is_not_misled_by_what_a_failed_try_leaves_behind(tmp_path, monkeypatch):
@@ -759,30 +764,66 @@ def test_fit_is_not_misled_by_what_a_failed_try_leaves_behind(tmp_path, monkeypa
     assert first['micro_batch'] == 37 and [f['batch_size'] for f in first['failures']] == [64, 48, 40, 38]
 
 
+class TwoArguments(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
 def test_fit_says_when_a_try_ended_its_process(tmp_path, monkeypatch):
-    # Reference: a try whose process dies without an answer (killed, a crash) stops the variant's search with the
-    # exit code, as any error that is not out of memory does; the next variant's tries run in a new process.
+    # Reference: a try whose process dies without an answer (an exit, a signal) or raises what the parent could
+    # not rebuild stops that variant's search, saying so (the exit code, the signal, the exception's text), as any
+    # error that is not out of memory does; the next variant's tries run in a new process.
     def fake_run_rung(s, env):
         if s['checkpointing'] == 'full' and env.batch_size == 4:
             os._exit(3)
+        if s['optimizer'] == 'adamw8bit' and env.batch_size == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if s['checkpointing'] == 'selective':
+            raise TwoArguments('one', 'two')  # pickles, but does not unpickle: TwoArguments('one and two') fails
     env = fit_env(tmp_path, 256, monkeypatch)  # 8 sequences
     monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
-    monkeypatch.setattr(bench, 'FIT_VARIANTS', bench.FIT_VARIANTS[:2] + [('as is, again', {})])
+    monkeypatch.setattr(bench, 'FIT_VARIANTS', [*bench.FIT_VARIANTS[:3], ('selective', dict(checkpointing='selective')),
+                                                ('as is, again', {})])
     assert bench.fit(env) == 0
     rows = json.load(open(tmp_path / 'fit.json'))['variants']
-    assert rows[1]['micro_batch'] is None
-    assert rows[1]['note'] == 'failed: RuntimeError: the try of batch_size=4 ended its process (exit code 3)'
-    assert [r['micro_batch'] for r in (rows[0], rows[2])] == [8, 8]
+    assert [r['micro_batch'] for r in rows] == [8, None, None, None, 8]
+    ended = "failed: RuntimeError: fit's child process ended without an answer to the try of batch_size="
+    assert rows[1]['note'] == ended + '4 (exit code 3)'
+    assert rows[2]['note'] == ended + '2 (killed by signal 9)'
+    assert rows[3]['note'] == 'failed: RuntimeError: TwoArguments: one and two'
+    assert multiprocessing.active_children() == []
+
+
+def test_fit_child_builds_its_run_from_the_command_line(monkeypatch):
+    # Reference: what fit() sets in its own process before a try (fit_steps: 1 warm-up step, 1 timed step of 2
+    # micro-steps, 1 repeat) and main's RoPE form (--rope=halves), which a spawned child must set again from the
+    # command line; then the answer to each try and to None. Here the child's function runs in a thread.
+    seen = []
+
+    def fake_run_rung(s, env):
+        seen.append((env.warmup, env.steps, env.repeats, env.gradient_accumulation_steps, env.batch_size,
+                     model_module.apply_rotary is bench.rope_halves, s))
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    parent, child = multiprocessing.Pipe()
+    thread = threading.Thread(target=bench.fit_child, args=(child, None, [*TINY, '--rope=halves']))
+    thread.start()
+    parent.send(({'a': 1}, 3))
+    assert parent.recv() == dict(fits=True, error=None, held=None, outside=None, left=None)
+    parent.send(None)
+    thread.join(60)
+    assert not thread.is_alive() and seen == [(1, 1, 1, 2, 3, True, {'a': 1})]
+    assert model_module.apply_rotary is not bench.rope_halves  # (restored)
 
 
 def test_fit_tries_run_in_a_spawned_process_built_from_the_command_line(tmp_path, monkeypatch):
     # Reference: the tiny ladder's model trains on the CPU at 1, 2 and 4 sequences, so the whole step of 4 fits; the
     # tries run in a child process that spawned a fresh interpreter and rebuilt the run from env.argv, as on CUDA
     # (a fork would carry CUDA's state over). What this process's run_rung would do is never called.
+    assert bench.FIT_START == 'spawn'  # the module's own, as CUDA runs it
     monkeypatch.setattr(bench, 'run_rung', lambda s, env: pytest.fail('a try ran in the parent process'))
     env = fit_env(tmp_path, 128, monkeypatch, start='spawn')  # 4 sequences of 32 tokens
     monkeypatch.setattr(bench, 'FIT_VARIANTS', bench.FIT_VARIANTS[:1])
-    assert bench.FIT_START == 'spawn' and bench.fit(env) == 0
+    assert bench.fit(env) == 0 and multiprocessing.active_children() == []
     first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
     assert (first['micro_batch'], first['note'], first['failures']) == (4, 'the whole step fits in one micro-batch', [])
 
@@ -846,7 +887,7 @@ def test_fit_notes_whole_steps_failures_and_leaks(tmp_path, monkeypatch):
     assert whole['outside_torch_before_try'] == [0] * 7  # (1 GiB reserved by torch is no memory outside it)
     assert last['note'] == '(up to 3.0 GiB still allocated before a try: a leak)'
     assert last['failures'][0] == {'batch_size': 8, 'error': 'OutOfMemoryError: CUDA out of memory. Tried to '
-                                                             'allocate 2.00 GiB'}
+                                                             'allocate 2.00 GiB', 'left_allocated': 0}
     rung7 = {**bench.BASE, 'tf32': True, 'dtype': env.mixed, 'attention': 'auto', 'fused_qkv': True,
              'fused_adamw': True, 'chunked_loss': True}
     tries = child_records(seen)
