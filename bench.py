@@ -560,15 +560,20 @@ def fit_steps(env):
     return env
 
 
+def still_allocated(device):
+    """The CUDA memory torch holds allocated once garbage is collected and its cache emptied: what is left."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
 def try_batch(s, env):
     """One try of fit mode, in this process: does a step of env.batch_size sequences with settings s fit? With the
     memory torch still holds allocated before the try and the device memory in use outside its allocator, and
     after a try that failed, what it left allocated."""
     held = outside = None
     if env.device_type == 'cuda':  # what an earlier try in this process left allocated
-        gc.collect()
-        torch.cuda.empty_cache()
-        held = torch.cuda.memory_allocated(env.device)
+        held = still_allocated(env.device)
         # and the device memory in use that torch's allocator does not hold (CUDA contexts, this one and fit's
         # parent's; libraries' own allocations, other processes): what the driver counts as used, less what torch
         # reserved
@@ -582,9 +587,7 @@ def try_batch(s, env):
             raise
         result.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     if not result['fits'] and env.device_type == 'cuda':  # (the error and its frames gone by now)
-        gc.collect()
-        torch.cuda.empty_cache()
-        result['left'] = torch.cuda.memory_allocated(env.device)
+        result['left'] = still_allocated(env.device)
     return result
 
 
@@ -628,7 +631,7 @@ class FitTries:
     after its error (left_allocated): the leak itself, where there is one."""
 
     def __init__(self, env):
-        self.env, self.child, self.conn, self.last_exit = env, None, None, None
+        self.env, self.child, self.conn = env, None, None
 
     def __call__(self, s, batch):
         if self.child is None:
@@ -642,8 +645,7 @@ class FitTries:
             self.conn.send((s, batch))
             answer = self.conn.recv()
         except (EOFError, OSError):  # the child died (killed, a crash) without an answer
-            self.close()
-            code = self.last_exit
+            code = self.close()
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             raise RuntimeError(f"fit's child process ended without an answer to the try of batch_size={batch} "
                                f"({how})") from None
@@ -652,13 +654,14 @@ class FitTries:
             raise
         if isinstance(answer, BaseException) or not answer['fits']:
             self.close()  # the child has returned: the next try gets a fresh process
-        if isinstance(answer, BaseException):
-            raise answer
+            if isinstance(answer, BaseException):
+                raise answer
         return answer
 
     def close(self):
+        """Ends the child, if there is one; its exit code."""
         if self.child is None:
-            return
+            return None
         try:
             self.conn.send(None)  # (a child still waiting for a try returns)
         except OSError:
@@ -667,8 +670,9 @@ class FitTries:
         if self.child.is_alive():
             self.child.kill()
             self.child.join()
-        self.last_exit, self.child = self.child.exitcode, None
+        code, self.child = self.child.exitcode, None
         self.conn.close()
+        return code
 
 
 def fit_variant(s, n, tries):
