@@ -4,7 +4,7 @@ to the rung before, then the memory options, each alone on top of the last rung;
 largest micro-batch that fits in GPU memory (its tries in child processes: FitTries); or (--mode=profile)
 profile one rung's step (the top rung, or --rungs=N): its kernels by time and the share of matmuls, attention,
 memory copies, elementwise (with FP8: the kernels that cast to it apart) and optimizer, and the device's idle
-time. Steps, optimizer and data are train.py's.
+time, with its longest gaps and the kernels after them. Steps, optimizer and data are train.py's.
 
     python bench.py                                  # CPU: a 0.9M-parameter model, a few minutes on 2 cores
     python bench.py                                  # GPU: the 124M GPT-2 shape, 16 x 1024 tokens x 32 micro-batches
@@ -810,6 +810,49 @@ def kernel_times(events):
     return spent, calls, shares, kind, busy / 1000
 
 
+def shorten(name, width=90):
+    return name if len(name) <= width else name[:width - 3] + '...'
+
+
+def idle_gaps(events):
+    """The device's idle intervals between its first kernel and its last (the wall time no kernel covers, less
+    what comes before the first and after the last), longest first: (us, the kernel that ends the gap, the
+    host's calls that launched it, outermost first: 'CompiledFunction > triton_poi_fused_embedding_0'). A gap
+    before a step's forward is one that ends at the forward's first kernel (more than one step profiled)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in events if e.device_type == cuda and not getattr(e, 'is_user_annotation', False)]
+    # a kernel's linked_correlation_id is the id of the host call that launched it, one of the calls that link to
+    # nothing themselves (the runtime's launch calls link to it too, and their ids are of another count)
+    host = {e.id: e for e in events if e.device_type != cuda and not getattr(e, 'linked_correlation_id', 0)}
+    gaps, end = [], None
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        if end is not None and e.time_range.start > end:
+            launcher, calls = host.get(getattr(e, 'linked_correlation_id', 0)), []
+            while launcher is not None:
+                calls.insert(0, launcher.name)
+                launcher = launcher.cpu_parent
+            calls = calls if len(calls) <= 3 else [*calls[:2], '...', calls[-1]]  # the outermost, the launcher
+            gaps.append((e.time_range.start - end, e.name, ' > '.join(map(shorten, calls)) or 'not known'))
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    return sorted(gaps, key=lambda gap: -gap[0])
+
+
+def idle_rows(events, wall_ms, busy_ms):
+    """profile.md's rows of the device's idle time (CUDA): its lines in the table of kinds, and the table of the
+    longest gaps between kernels (idle_gaps)."""
+    gaps = idle_gaps(events)
+    idle, between = max(0.0, wall_ms - busy_ms), sum(us for us, _, _ in gaps) / 1000
+    edges = max(0.0, idle - between)
+    summary = [f"| device idle (wall time no kernel covers) | {idle:,.1f} | {idle / wall_ms:.1%} of wall |",
+               f"| of which between kernels, in {len(gaps):,} gaps | {between:,.1f} | "
+               f"{between / wall_ms:.1%} of wall |",
+               f"| of which before the first kernel (the host starting the step: its batch, the forward's launch) "
+               f"and after the last | {edges:,.1f} | {edges / wall_ms:.1%} of wall |"]
+    table = ['', "| longest device idle gaps (us) | the kernel after it | launched from (the host's calls) |",
+             '|---:|---|---|'] + [f"| {us:,.1f} | `{shorten(name)}` | `{calls}` |" for us, name, calls in gaps[:10]]
+    return summary, table if gaps else []
+
+
 def rung_settings(number, env):
     """Rung `number` (1-based) as the ladder builds it: its name, its settings (the changes of the ladder's rungs
     up to it that can run here; a memory rung's on top of all of them) and why it cannot run here (None: it can).
@@ -827,8 +870,8 @@ def rung_settings(number, env):
 def profile(env):
     """One rung's optimizer steps under torch.profiler (--rungs=N; by default the top rung that runs here): the
     kernels (CUDA) or operators (CPU) that take the most time, and the share of each kind, with the device's idle
-    time (CUDA: the step's wall time that no kernel covers: launch gaps, data loading, host syncs). Writes
-    out/profile.md."""
+    time (CUDA: the step's wall time that no kernel covers: launch gaps, data loading, host syncs) and its
+    longest gaps (idle_gaps). Writes out/profile.md."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     cuda = env.device_type == 'cuda'
@@ -873,13 +916,11 @@ def profile(env):
                  f", MFU {row['mfu']:.1%} of the {row['mfu_peak']} peak" if row['mfu'] else ''), '',
              '| kind | time (ms) | share |', '|---|---:|---:|']
     lines += [f"| {kind} | {t / 1000:,.1f} | {t / total:.1%} |" for kind, t in shares.most_common()]
-    if cuda:
-        lines.append(f"| device idle (wall time no kernel covers) | {max(0.0, wall_ms - busy_ms):,.1f} | "
-                     f"{max(0.0, 1 - busy_ms / wall_ms):.1%} of wall |")
-    lines += ['', f'| top {what}s by time | kind | time (ms) | share | calls |', '|---|---|---:|---:|---:|']
+    idle, gaps = idle_rows(prof.events(), wall_ms, busy_ms) if cuda else ([], [])
+    lines += idle + ['', f'| top {what}s by time | kind | time (ms) | share | calls |', '|---|---|---:|---:|---:|']
     for name, t in spent.most_common(25):
-        short = name if len(name) <= 90 else name[:87] + '...'
-        lines.append(f"| `{short}` | {kind[name]} | {t / 1000:,.1f} | {t / total:.1%} | {calls[name]} |")
+        lines.append(f"| `{shorten(name)}` | {kind[name]} | {t / 1000:,.1f} | {t / total:.1%} | {calls[name]} |")
+    lines += gaps
     text = '\n'.join(lines) + '\n'
     os.makedirs(env.out, exist_ok=True)
     with open(os.path.join(env.out, 'profile.md'), 'w') as f:

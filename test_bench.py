@@ -251,6 +251,61 @@ def test_kernel_times_busy_time_is_the_union_of_the_kernels():
     assert shares == {'optimizer': 10} and busy_ms == pytest.approx(10 / 1000)
 
 
+def host_call(id, name, parent=None):  # a host call that launches kernels: linked to nothing itself
+    return SimpleNamespace(id=id, name=name, device_type=torch.autograd.DeviceType.CPU, cpu_parent=parent,
+                           linked_correlation_id=0, kernels=[])
+
+
+def launched(kernel, launcher):
+    kernel.linked_correlation_id = launcher.id if launcher else 0
+    return kernel
+
+
+def test_idle_gaps_are_the_times_between_the_kernels_with_what_launched_the_next():
+    # Reference: intervals by hand. Kernels cover 0-100 and 80-120 (two streams overlap), then 150-160, then
+    # 400-500, inside a GPU-side annotation that spans them all (no kernel). Gaps: 120-150 (30 us, before the
+    # optimizer's kernel) and 160-400 (240 us, before the next step's first kernel, launched from a compiled region
+    # four calls deep: shown outermost two, the launcher). The runtime's launch call carries the launcher's id
+    # number too (another count), linked to a call: never taken for the launcher. A kernel whose launcher is not
+    # among the events says so. Before the first kernel and after the last: not a gap between kernels.
+    region = host_call(7, 'Torch-Compiled Region: 0/1')
+    forward = host_call(8, 'CompiledFunction', region)
+    inner = host_call(9, 'aten::_unsafe_view', forward)
+    embedding = host_call(10, 'triton_poi_fused_embedding_0', inner)
+    step = host_call(11, 'Optimizer.step#AdamW.step')
+    adam = host_call(12, 'aten::_fused_adamw_', step)
+    runtime = SimpleNamespace(id=10, name='cudaLaunchKernel', device_type=torch.autograd.DeviceType.CPU,
+                              cpu_parent=None, linked_correlation_id=12, kernels=[])
+    kernels = [launched(fake_kernel('nvjet_a', 0, 100), None), launched(fake_kernel('nvjet_b', 80, 120), None),
+               launched(fake_kernel('multi_tensor_apply_kernel<FusedAdamMathFunctor>', 150, 160), adam),
+               launched(fake_kernel('triton_poi_fused_embedding_0', 400, 500), embedding)]
+    annotation = fake_kernel('bench step', 0, 500)
+    annotation.is_user_annotation = True
+    events = [kernels[3], runtime, step, annotation, region, *kernels[:3], forward, inner, embedding, adam]
+    assert bench.idle_gaps(events) == [
+        (240, 'triton_poi_fused_embedding_0',
+         'Torch-Compiled Region: 0/1 > CompiledFunction > ... > triton_poi_fused_embedding_0'),
+        (30, 'multi_tensor_apply_kernel<FusedAdamMathFunctor>', 'Optimizer.step#AdamW.step > aten::_fused_adamw_')]
+    kernels[2].linked_correlation_id = 99
+    assert bench.idle_gaps(events)[1][2] == 'not known'
+    assert bench.idle_gaps(kernels[:2]) == [] and bench.idle_gaps([]) == []
+    # profile.md's rows: a wall of 1 ms, 230 us of it busy (0-120, 150-160, 400-500): 770 us idle, 270 of it between
+    # kernels, 500 before the first and after the last; the optimizer's kernel still without its launcher
+    summary, table = bench.idle_rows(events, 1.0, (120 + 10 + 100) / 1000)
+    assert summary == ['| device idle (wall time no kernel covers) | 0.8 | 77.0% of wall |',
+                       '| of which between kernels, in 2 gaps | 0.3 | 27.0% of wall |',
+                       "| of which before the first kernel (the host starting the step: its batch, the forward's "
+                       "launch) and after the last | 0.5 | 50.0% of wall |"]
+    assert table[3:] == ['| 240.0 | `triton_poi_fused_embedding_0` | `Torch-Compiled Region: 0/1 > CompiledFunction'
+                         ' > ... > triton_poi_fused_embedding_0` |',
+                         '| 30.0 | `multi_tensor_apply_kernel<FusedAdamMathFunctor>` | `not known` |']
+    assert bench.idle_rows(kernels[:2], 0.2, 0.12) == (
+        ['| device idle (wall time no kernel covers) | 0.1 | 40.0% of wall |',
+         '| of which between kernels, in 0 gaps | 0.0 | 0.0% of wall |',
+         "| of which before the first kernel (the host starting the step: its batch, the forward's launch) and "
+         "after the last | 0.1 | 40.0% of wall |"], [])
+
+
 def test_profile_mode_profiles_the_top_rung_for_its_steps(tmp_path, monkeypatch):
     # Reference: the docstring's ladder on the CPU with --dtype=bfloat16 and compile off: the top rung is rung 7
     # (bf16, SDPA's choice of kernel, fused QKV, chunked loss; TF32 and fused AdamW are CUDA only). Its steps are

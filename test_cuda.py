@@ -21,8 +21,8 @@ uninterrupted one, compile made no graph break, peak memory is reported; reduce-
 gradient accumulation trains as compile's default mode. Also: one process under torchrun
 matches the plain run, 2-process DDP with compile and activation checkpointing stays compiled, sample.py
 samples from an FP8-trained checkpoint, a step waits for the GPU once (CUDA's sync debug mode; not run on a
-GPU yet), bench.py's peak memory under CUDA graphs holds the activations and is each rung's own (not run on a GPU
-yet). On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
+GPU yet), bench.py's peak memory under CUDA graphs holds the activations and is each rung's own, bench.py's profile names
+what launched the kernel after each long idle gap (these two not run on a GPU yet). On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
 runs share the GPU), before the CPU-only offload test and the import of Dynamo's device interface above. It
 prints a summary table and, when $OUT is set, writes it to $OUT/test_cuda_summary.md (one file per xdist
 worker).
@@ -34,6 +34,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1099,6 +1100,26 @@ def test_bench_peak_memory_under_cuda_graphs_counts_their_activations(tmp_path):
     assert sorted(rows) == [8, 9], rows
     assert rows[9]['activation_mb'] < rows[8]['activation_mb'] / 2, rows
     assert rows[9]['peak_mem_mb'] < rows[8]['peak_mem_mb'], rows
+
+
+@gpu
+def test_bench_profile_finds_what_launched_each_idle_gap(tmp_path):
+    # Reference: the profiler's own links. Each of the longest idle gaps names the host call that launched the
+    # kernel after it (a kernel's linked_correlation_id is its launcher's id: bench.idle_gaps); a wrong link names
+    # none, 'not known'. Two steps: the gap between them ends at the second step's first kernel. The idle time is
+    # the gaps between kernels plus what comes before the first and after the last.
+    import bench
+    assert bench.main(['--preset=small', '--mode=profile', '--rungs=7', '--steps=2', '--data_dir=no-such-dir',
+                       f'--out={tmp_path}']) == 0
+    text = (tmp_path / 'profile.md').read_text()
+
+    def ms(what):
+        return float(re.search(rf'^\| {what} [^|]*\| ([\d,.]+) \|', text, re.M).group(1).replace(',', ''))
+    idle, between, edges = ms('device idle'), ms('of which between'), ms('of which before')
+    assert idle == pytest.approx(between + edges, abs=0.11), text
+    gaps = re.findall(r'^\| [\d,.]+ \| `([^`]+)` \| `([^`]+)` \|$', text, re.M)
+    assert gaps, text
+    assert any(calls != 'not known' for _, calls in gaps), text
 
 
 @gpu
