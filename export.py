@@ -14,6 +14,8 @@ converted here) and for a Hugging Face tokenizer the data was prepared with (cop
 meta). A character-level vocabulary has no transformers tokenizer: the export says so and writes
 char_vocab.json (the characters, in id order) instead. A directory that holds files transformers would read
 beside these (another export's tokenizer, sharded weights: FOREIGN) is refused, never mixed with this export.
+An export that fails (a full disk, a tokenizer that cannot be had) leaves the directory as it was: the files are
+written apart, then moved in.
 
 The other way, train.py's init_from=hf:PATH reads a Llama or Qwen3 directory through hf_model_args() and
 load_hf_weights(): SmolLM2, Llama 3.2 (with Llama 3's RoPE scaling), Qwen3 (its head_dim set apart from the
@@ -25,7 +27,9 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -286,7 +290,10 @@ def write_tokenizer(meta, hf_dir, max_len):
     else:
         from prepare_data import load_bpe
         enc = load_bpe(name)
-        tiktoken_to_hf(enc).save(os.path.join(hf_dir, 'tokenizer.json'))
+        try:
+            tiktoken_to_hf(enc).save(os.path.join(hf_dir, 'tokenizer.json'))
+        except Exception as e:  # tokenizers' failed write is a plain Exception ('File too large (os error 27)')
+            raise OSError(f"tokenizer.json: {e}") from None
         eos = None if eot is None else enc.decode_single_token_bytes(eot).decode()
         note = f"tokenizer: tiktoken {name} converted to tokenizer.json"
     with open(os.path.join(hf_dir, 'tokenizer_config.json'), 'w') as f:
@@ -304,6 +311,7 @@ FOREIGN = ('model.safetensors.index.json', 'pytorch_model.bin', 'pytorch_model.b
 
 def export(ckpt_path, hf_dir, dtype='float32'):
     """Write the checkpoint at ckpt_path as a transformers model directory; returns the lines it printed."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     from train import load_checkpoint, probe_out_dir  # here: train.py imports this file for init_from=hf
     if dtype not in ('float32', 'bfloat16', 'float16'):
@@ -324,18 +332,33 @@ def export(ckpt_path, hf_dir, dtype='float32'):
     if stale:
         raise ValueError(f"hf_dir {hf_dir} holds {', '.join(stale)}, which this export does not write and transformers "
                          f"would load with it (another export's or model's): remove them, or choose another hf_dir")
-    weights = os.path.join(hf_dir, 'model.safetensors')
-    save_file(tensors, weights, metadata={'format': 'pt'})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)  # save_file leaves its file readable by its owner alone (0600)
-    for name, content in (('config.json', config),
-                          ('generation_config.json', dict(bos_token_id=None, eos_token_id=config['eos_token_id']))):
-        with open(os.path.join(hf_dir, name), 'w') as f:
-            json.dump(content, f, indent=1)
-    lines = [f"wrote {hf_dir}: {config['architectures'][0]}, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M "
-             f"parameters in {dtype} (from {ckpt_path}, iteration {ckpt.get('iter_num', '?')})",
-             write_tokenizer(meta, hf_dir, c.block_size)]
+    # every file is written into a directory of its own inside hf_dir first, then moved into place: an export that
+    # fails (a full disk, a tokenizer that cannot be had) leaves hf_dir as it was, never new weights beside an old
+    # tokenizer or a cut file
+    stage = tempfile.mkdtemp(prefix='.export-', dir=hf_dir)
+    try:
+        weights = os.path.join(stage, 'model.safetensors')
+        try:
+            save_file(tensors, weights, metadata={'format': 'pt'})
+        except SafetensorError as e:  # its failed writes ('I/O error: File too large (os error 27)')
+            raise OSError(f"model.safetensors: {e}") from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(weights, 0o666 & ~umask)  # save_file leaves its file readable by its owner alone (0600)
+        for name, content in (('config.json', config),
+                              ('generation_config.json', dict(bos_token_id=None, eos_token_id=config['eos_token_id']))):
+            with open(os.path.join(stage, name), 'w') as f:
+                json.dump(content, f, indent=1)
+        lines = [f"wrote {hf_dir}: {config['architectures'][0]}, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M "
+                 f"parameters in {dtype} (from {ckpt_path}, iteration {ckpt.get('iter_num', '?')})",
+                 write_tokenizer(meta, stage, c.block_size)]
+        for name in sorted(os.listdir(stage)):
+            os.replace(os.path.join(stage, name), os.path.join(hf_dir, name))
+    except OSError as e:  # named by hf_dir, not by the staging directory's paths
+        reason = e.strerror or str(e) or type(e).__name__
+        raise ValueError(f"cannot write into {hf_dir}: {reason}") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     for line in lines:
         print(line)
     return lines

