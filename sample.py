@@ -6,6 +6,7 @@ Print text from a trained model. The model's shape and the tokenizer come from t
 
 Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file.
 """
+import os
 import sys
 from contextlib import nullcontext
 
@@ -46,8 +47,17 @@ def main(argv):
     ckpt = load_checkpoint(path)  # to the CPU: the optimizer's state never reaches the device
     if missing := [k for k in ('model', 'model_args', 'meta') if k not in ckpt]:
         raise TrainError(f"{path} is not a checkpoint of train.py: it lacks {', '.join(missing)}")
-    model = GPT(GPTConfig(**ckpt['model_args']))
-    model.load_state_dict(ckpt['model'])
+    try:
+        model = GPT(GPTConfig(**ckpt['model_args']))
+    except (TypeError, ValueError) as e:  # a key GPTConfig lacks, or a shape it refuses (not written by train.py)
+        raise TrainError(f"{path}: its model_args do not make a model.py config: {e}") from None
+    try:
+        model.load_state_dict(ckpt['model'])
+    except RuntimeError as e:  # names missing, unexpected or misshapen
+        compiled = any(k.startswith('_orig_mod.') for k in ckpt['model'])
+        raise TrainError(f"{path}: its weights do not fit its model_args" +
+                         (" (their names start with _orig_mod.: saved from a compiled model)" if compiled else '') +
+                         f": {' '.join(str(e).split())[:500]}") from None
     model.to(device).eval()
     meta = ckpt['meta']
     try:
@@ -58,7 +68,7 @@ def main(argv):
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
         try:
-            with open(prompt[5:], encoding='utf-8') as f:
+            with open(prompt[5:], encoding='utf-8', newline='') as f:  # its line ends as they are (\r\n too)
                 prompt = f.read()
         except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8
             raise ConfigError(f"--start={cfg['start']}: cannot read {prompt[5:]} ({e})") from None
@@ -86,9 +96,13 @@ def main(argv):
         raise TrainError(f"out of memory on {device} generating num_samples={cfg['num_samples']} samples at once "
                          f"(one batch, {len(ids) + cfg['max_new_tokens']} tokens each): fewer samples, or a lower "
                          f"max_new_tokens") from None
-    for row in y.tolist():
-        print(decode(row))
-        print('-' * 80)
+    try:
+        for row in y.tolist():
+            print(decode(row))
+            print('-' * 80)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted (the recipe of Python's docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == '__main__':

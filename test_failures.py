@@ -1454,6 +1454,17 @@ def test_sample_errors_name_the_device_the_checkpoint_and_the_tokenizer(data, tm
                                                          "could not be loaded")):
         sample.main([*base, '--ckpt=bpe.pt'])
     monkeypatch.undo()
+    # checkpoints train.py does not write: a model_args key model.py lacks, a compiled model's weight names (as
+    # export.py says them; they were tracebacks)
+    torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'bias': True}}, out / 'unknown.pt')
+    with pytest.raises(train.TrainError, match=re.escape(f"{out}/unknown.pt: its model_args do not make a model.py "
+                                                         "config: ") + ".*'bias'"):
+        sample.main([*base, '--ckpt=unknown.pt'])
+    torch.save({**ckpt, 'model': {f'_orig_mod.{k}': v for k, v in ckpt['model'].items()}}, out / 'compiled.pt')
+    with pytest.raises(train.TrainError, match=re.escape(f"{out}/compiled.pt: its weights do not fit its model_args "
+                                                         "(their names start with _orig_mod.: saved from a compiled "
+                                                         "model): Error(s) in loading state_dict for GPT: Missing")):
+        sample.main([*base, '--ckpt=compiled.pt'])
     capsys.readouterr()
     sample.main([*base, f'--start={ckpt["meta"]["chars"][0] * 20}'])  # block_size 8
     assert "the prompt's 20 tokens are cut to the model's block_size, its last 8" in capsys.readouterr().err

@@ -1205,6 +1205,17 @@ def test_sample_prints_text_from_the_vocabulary(runs):
     assert set(text) <= set(runs.meta['chars'])
 
 
+def test_sample_into_a_pipe_whose_reader_has_gone_ends_quietly(runs):
+    # Reference: Python's docs' recipe for a closed pipe (`python sample.py | head -1`): no traceback, exit 0. Its
+    # read end closed before the process writes (it imports torch first), every write meets a pipe with no reader
+    proc = subprocess.Popen([sys.executable, 'sample.py', f'--out_dir={runs.a}', '--max_new_tokens=20',
+                             '--num_samples=2', '--device=cpu'], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=180) == 0 and err == '', err
+
+
 def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, capsys):
     # Reference: greedy decoding by GPT.generate called here on the checkpoint's model, and the values given on
     # the command line. sample.py at --temperature=0, at --top_k=1 and at a --top_p below any token's probability
@@ -1281,6 +1292,14 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
     assert sampled[0] == sampled[1] != sampled[2]
     with pytest.raises(ConfigError, match=re.escape(f"--start=FILE:{tmp_path / 'none.txt'}: cannot read ")):
         run(f'--start=FILE:{tmp_path / "none.txt"}')
+    # a file's line ends are the prompt's, as prepare_data.py reads text (bytes as they are): a model of text with
+    # '\r\n' is prompted with '\r\n', not '\n'
+    train.save_checkpoint(str(tmp_path / 'crlf.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
+                                                      'meta': dict(tokenizer='char', vocab_size=32,
+                                                                   chars='\n\r' + chars[2:])})
+    (tmp_path / 'crlf.txt').write_bytes(f'{chars[5]}\r\n{chars[6]}\r\r\n'.encode())
+    assert run('--ckpt=crlf.pt', f'--start=FILE:{tmp_path / "crlf.txt"}', '--max_new_tokens=0').out == \
+        f'{chars[5]}\r\n{chars[6]}\r\r\n' + separator
 
 
 @pytest.mark.parametrize('flag, message', [
