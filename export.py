@@ -34,6 +34,7 @@ import tempfile
 import torch
 
 from model import GPT, GPTConfig
+from prepare_data import read_json
 
 DEFAULTS = dict(
     out_dir='out',       # the training run's directory
@@ -120,14 +121,6 @@ def from_hf(tensors, c):
 
 # ----------------------------------------------------------------------------------------------------
 # weights in: a Hugging Face directory -> GPTConfig arguments and a state dict
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-
 
 def hf_model_args(path):
     """(GPTConfig arguments, max_position_embeddings) from path/config.json, or an error naming what model.py

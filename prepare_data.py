@@ -363,6 +363,15 @@ class HFTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def read_json(path):
+    """A JSON file's value, or a ValueError naming the file (missing, unreadable, not UTF-8, not JSON)."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
 def load_hf(path):
     """The tokenizer of a Hugging Face model directory (or a tokenizer.json file), and the meta.json fields
     that record it. eot is the eos token of tokenizer_config.json, else config.json's eos_token_id, else none."""
@@ -376,15 +385,21 @@ def load_hf(path):
     fields = dict(tokenizer_sha256=hashlib.sha256(data).hexdigest(), tokenizer_json=data.decode('utf-8'))
     folder = os.path.dirname(file)
     eos = None
-    if os.path.exists(os.path.join(folder, 'tokenizer_config.json')):
-        with open(os.path.join(folder, 'tokenizer_config.json'), encoding='utf-8') as f:
+    if os.path.exists(file := os.path.join(folder, 'tokenizer_config.json')):
+        config = read_json(file)
+        eos = config.get('eos_token') if isinstance(config, dict) else None
+        eos = eos.get('content') if isinstance(eos, dict) else eos
+        if eos is not None and not isinstance(eos, str):
+            raise ValueError(f"{file}: eos_token={eos!r} is not a token's text")
+        eos = enc.tokenizer.token_to_id(eos) if eos else None
+        with open(file, encoding='utf-8') as f:  # as it came (a chat template, special tokens): export.py copies it
             fields['tokenizer_config'] = f.read()
-        eos = json.loads(fields['tokenizer_config']).get('eos_token')
-        eos = enc.tokenizer.token_to_id(eos['content'] if isinstance(eos, dict) else eos) if eos else None
-    if eos is None and os.path.exists(os.path.join(folder, 'config.json')):
-        with open(os.path.join(folder, 'config.json')) as f:
-            eos = json.load(f).get('eos_token_id')
-        eos = eos[0] if isinstance(eos, list) else eos
+    if eos is None and os.path.exists(file := os.path.join(folder, 'config.json')):
+        config = read_json(file)
+        eos = config.get('eos_token_id') if isinstance(config, dict) else None
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if eos is not None and not isinstance(eos, int):
+            raise ValueError(f"{file}: eos_token_id={eos!r} is not a token id")
     enc.eot_token = eos
     # pieces of the input are encoded apart, cut after line breaks (cut_point, PIECE_CUT): exact only for a
     # tokenizer that splits there anyway, as byte-level BPEs with a GPT-style regex do (GPT-2, Llama 3,

@@ -574,6 +574,29 @@ def test_hf_eos_token_and_vocab_size_of_a_model_directory(tmp_path, files, eot):
     assert (train, val) == ([1, 7] * 19, [1, 7] + [eot] * (eot is not None))  # val: the last of 20 lines, an eot
 
 
+@pytest.mark.parametrize('name, content, message', [
+    ('tokenizer_config.json', b'{"eos_token": "</s>",}', 'cannot read {}: Expecting property name'),  # a comma
+    ('tokenizer_config.json', b'\xff{}', "cannot read {}: 'utf-8' codec can't decode byte 0xff"),
+    ('tokenizer_config.json', b'{"eos_token": 5}', '{}: eos_token=5 is not a token\'s text'),
+    ('config.json', b'{"eos_token_id": "2"}', "{}: eos_token_id='2' is not a token id"),
+    ('config.json', b'[1, 2]', None),  # not an object: no eos token there (transformers would refuse it too)
+], ids=['not-json', 'not-utf8', 'eos-a-number', 'eos-id-a-string', 'a-list'])
+def test_hf_files_beside_the_tokenizer_that_cannot_be_read_are_named(tmp_path, name, content, message):
+    # Reference: the messages, each naming the file. They were a JSON error naming nothing, or a traceback
+    tok = Tokenizer(models.WordLevel({'[UNK]': 0, 'hello': 1, '</s>': 2}, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / 'tokenizer.json'))
+    (tmp_path / name).write_bytes(content)
+    (tmp_path / 'in.txt').write_text('hello\n' * 20)
+    prepare = lambda: prepare_data.prepare(str(tmp_path / 'in.txt'), f'hf:{tmp_path}', str(tmp_path / 'data'), 0.1)  # noqa: E731
+    if message is None:
+        assert prepare()['eot_token'] is None
+        return
+    with pytest.raises(ValueError, match=re.escape(message.format(tmp_path / name))):
+        prepare()
+    assert not os.path.exists(tmp_path / 'data')
+
+
 # ----------------------------------------------------------------------------------------------------
 # weights out
 
