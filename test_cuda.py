@@ -20,12 +20,12 @@ compile) and resumed from its iteration-12 checkpoint: the loss falls, the resum
 uninterrupted one, compile made no graph break, peak memory is reported; reduce-overhead (CUDA graphs) with
 gradient accumulation trains as compile's default mode. Also: one process under torchrun
 matches the plain run, 2-process DDP with compile and activation checkpointing stays compiled, sample.py
-samples from an FP8-trained checkpoint, a step waits for the GPU once (CUDA's sync debug mode; not run on a
-GPU yet), bench.py's peak memory under CUDA graphs holds the activations and is each rung's own, bench.py's profile names
-what launched the kernel after each long idle gap (these two not run on a GPU yet). On one H100: 63 passed in 144 s under `pytest -n 8` (pytest-xdist; the
-runs share the GPU), before the CPU-only offload test and the import of Dynamo's device interface above. It
-prints a summary table and, when $OUT is set, writes it to $OUT/test_cuda_summary.md (one file per xdist
-worker).
+samples from an FP8-trained checkpoint; and, not run on a GPU yet: a step waits for the GPU once (CUDA's sync
+debug mode), bench.py's peak memory under CUDA graphs holds the activations and is each rung's own, bench.py's
+profile names what launched the kernel after each long idle gap. On one H100:
+63 passed in 144 s under `pytest -n 8` (pytest-xdist; the runs share the GPU), before the CPU-only offload test
+and the import of Dynamo's device interface above. It prints a summary table and, when $OUT is set, writes it to
+$OUT/test_cuda_summary.md (one file per xdist worker).
 
     python -m pytest -q test_cuda.py            # or -n 8, with pytest-xdist
 """
