@@ -814,20 +814,31 @@ def shorten(name, width=90):
     return name if len(name) <= width else name[:width - 3] + '...'
 
 
-def idle_gaps(events):
+def kernel_links(prof):
+    """{a kernel's id: the id of the host call that launched it}, from the profiler's own records (torch 2.11's
+    events do not carry it; 2.13's do, as linked_correlation_id); {} where they cannot be read."""
+    results = getattr(getattr(prof, 'profiler', None), 'kineto_results', None)
+    cuda = torch.autograd.DeviceType.CUDA
+    return {} if results is None else {k.correlation_id(): k.linked_correlation_id() for k in results.events()
+                                       if k.device_type() == cuda}
+
+
+def idle_gaps(events, links=None):
     """The device's idle intervals between its first kernel and its last (the wall time no kernel covers, less
     what comes before the first and after the last), longest first: (us, the kernel that ends the gap, the
     host's calls that launched it, outermost first: 'CompiledFunction > triton_poi_fused_embedding_0'). A gap
-    before a step's forward is one that ends at the forward's first kernel (more than one step profiled)."""
+    before a step's forward is one that ends at the forward's first kernel (more than one step profiled).
+    A kernel's launcher: its linked_correlation_id (torch 2.13) or links' entry for it (kernel_links), the id of
+    a host call that the profiler gave kernels (the runtime's launch calls link to it too, and their ids are of
+    another count)."""
     cuda = torch.autograd.DeviceType.CUDA
     kernels = [e for e in events if e.device_type == cuda and not getattr(e, 'is_user_annotation', False)]
-    # a kernel's linked_correlation_id is the id of the host call that launched it, one of the calls that link to
-    # nothing themselves (the runtime's launch calls link to it too, and their ids are of another count)
-    host = {e.id: e for e in events if e.device_type != cuda and not getattr(e, 'linked_correlation_id', 0)}
+    host = {e.id: e for e in events if e.device_type != cuda and e.kernels}
     gaps, end = [], None
     for e in sorted(kernels, key=lambda e: e.time_range.start):
         if end is not None and e.time_range.start > end:
-            launcher, calls = host.get(getattr(e, 'linked_correlation_id', 0)), []
+            link = getattr(e, 'linked_correlation_id', None)
+            launcher, calls = host.get((links or {}).get(e.id, 0) if link is None else link), []
             while launcher is not None:
                 calls.insert(0, launcher.name)
                 launcher = launcher.cpu_parent
@@ -837,10 +848,10 @@ def idle_gaps(events):
     return sorted(gaps, key=lambda gap: -gap[0])
 
 
-def idle_rows(events, wall_ms, busy_ms):
+def idle_rows(events, wall_ms, busy_ms, links=None):
     """profile.md's rows of the device's idle time (CUDA): its lines in the table of kinds, and the table of the
     longest gaps between kernels (idle_gaps)."""
-    gaps = idle_gaps(events)
+    gaps = idle_gaps(events, links)
     idle, between = max(0.0, wall_ms - busy_ms), sum(us for us, _, _ in gaps) / 1000
     edges = max(0.0, idle - between)
     summary = [f"| device idle (wall time no kernel covers) | {idle:,.1f} | {idle / wall_ms:.1%} of wall |",
@@ -916,7 +927,7 @@ def profile(env):
                  f", MFU {row['mfu']:.1%} of the {row['mfu_peak']} peak" if row['mfu'] else ''), '',
              '| kind | time (ms) | share |', '|---|---:|---:|']
     lines += [f"| {kind} | {t / 1000:,.1f} | {t / total:.1%} |" for kind, t in shares.most_common()]
-    idle, gaps = idle_rows(prof.events(), wall_ms, busy_ms) if cuda else ([], [])
+    idle, gaps = idle_rows(prof.events(), wall_ms, busy_ms, kernel_links(prof)) if cuda else ([], [])
     lines += idle + ['', f'| top {what}s by time | kind | time (ms) | share | calls |', '|---|---|---:|---:|---:|']
     for name, t in spent.most_common(25):
         lines.append(f"| `{shorten(name)}` | {kind[name]} | {t / 1000:,.1f} | {t / total:.1%} | {calls[name]} |")

@@ -251,13 +251,15 @@ def test_kernel_times_busy_time_is_the_union_of_the_kernels():
     assert shares == {'optimizer': 10} and busy_ms == pytest.approx(10 / 1000)
 
 
-def host_call(id, name, parent=None):  # a host call that launches kernels: linked to nothing itself
+def host_call(id, name, parent=None):  # a host call (an op, a record_function): linked to nothing itself
     return SimpleNamespace(id=id, name=name, device_type=torch.autograd.DeviceType.CPU, cpu_parent=parent,
                            linked_correlation_id=0, kernels=[])
 
 
-def launched(kernel, launcher):
+def launched(kernel, launcher):  # as the profiler records a launch: the kernel linked, and given to its launcher
     kernel.linked_correlation_id = launcher.id if launcher else 0
+    if launcher:
+        launcher.kernels.append(SimpleNamespace(name=kernel.name, duration=kernel.time_range.elapsed_us()))
     return kernel
 
 
@@ -267,7 +269,8 @@ def test_idle_gaps_are_the_times_between_the_kernels_with_what_launched_the_next
     # optimizer's kernel) and 160-400 (240 us, before the next step's first kernel, launched from a compiled region
     # four calls deep: shown outermost two, the launcher). The runtime's launch call carries the launcher's id
     # number too (another count), linked to a call: never taken for the launcher. A kernel whose launcher is not
-    # among the events says so. Before the first kernel and after the last: not a gap between kernels.
+    # among the events says so. Before the first kernel and after the last: not a gap between kernels. torch
+    # 2.11's events carry no link: the same gaps from the profiler's own records (kernel_links).
     region = host_call(7, 'Torch-Compiled Region: 0/1')
     forward = host_call(8, 'CompiledFunction', region)
     inner = host_call(9, 'aten::_unsafe_view', forward)
@@ -286,12 +289,17 @@ def test_idle_gaps_are_the_times_between_the_kernels_with_what_launched_the_next
         (240, 'triton_poi_fused_embedding_0',
          'Torch-Compiled Region: 0/1 > CompiledFunction > ... > triton_poi_fused_embedding_0'),
         (30, 'multi_tensor_apply_kernel<FusedAdamMathFunctor>', 'Optimizer.step#AdamW.step > aten::_fused_adamw_')]
+    links, linked = {}, bench.idle_gaps(events)
+    for i, k in enumerate(kernels):  # (kernel ids: their own count)
+        k.id, links[100 + i] = 100 + i, k.__dict__.pop('linked_correlation_id')
+    assert bench.idle_gaps(events, links) == linked
+    assert bench.idle_gaps(events)[0][2] == bench.idle_gaps(events)[1][2] == 'not known'
     kernels[2].linked_correlation_id = 99
-    assert bench.idle_gaps(events)[1][2] == 'not known'
+    assert bench.idle_gaps(events, links)[1][2] == 'not known'
     assert bench.idle_gaps(kernels[:2]) == [] and bench.idle_gaps([]) == []
     # profile.md's rows: a wall of 1 ms, 230 us of it busy (0-120, 150-160, 400-500): 770 us idle, 270 of it between
     # kernels, 500 before the first and after the last; the optimizer's kernel still without its launcher
-    summary, table = bench.idle_rows(events, 1.0, (120 + 10 + 100) / 1000)
+    summary, table = bench.idle_rows(events, 1.0, (120 + 10 + 100) / 1000, links)
     assert summary == ['| device idle (wall time no kernel covers) | 0.8 | 77.0% of wall |',
                        '| of which between kernels, in 2 gaps | 0.3 | 27.0% of wall |',
                        "| of which before the first kernel (the host starting the step: its batch, the forward's "
@@ -304,6 +312,21 @@ def test_idle_gaps_are_the_times_between_the_kernels_with_what_launched_the_next
          '| of which between kernels, in 0 gaps | 0.0 | 0.0% of wall |',
          "| of which before the first kernel (the host starting the step: its batch, the forward's launch) and "
          "after the last | 0.1 | 40.0% of wall |"], [])
+
+
+def test_kernel_links_are_the_profilers_own_records():
+    # Reference: the profiler's records, made up here: a kernel's correlation id and its launcher's; records of
+    # the host are no kernels. A CPU profile has none; a profile without its records gives none.
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    record = lambda device, id, link: SimpleNamespace(device_type=lambda: device, correlation_id=lambda: id,  # noqa: E731
+                                                      linked_correlation_id=lambda: link)
+    results = SimpleNamespace(events=lambda: [record(cuda, 100, 12), record(cpu, 12, 0), record(cpu, 100, 12),
+                                              record(cuda, 101, 10)])
+    assert bench.kernel_links(SimpleNamespace(profiler=SimpleNamespace(kineto_results=results))) == {100: 12, 101: 10}
+    assert bench.kernel_links(SimpleNamespace()) == {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4).sum()
+    assert bench.kernel_links(prof) == {}  # read without an error, as on a GPU: no kernel here
 
 
 def test_profile_mode_profiles_the_top_rung_for_its_steps(tmp_path, monkeypatch):
