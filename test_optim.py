@@ -845,8 +845,10 @@ def test_precision_follows_the_device(monkeypatch, name, device, native, want):
     # Reference: the rule in the comment on train.py's dtype. 'auto' keeps the CPU in float32 (never a silent
     # change of a CPU run's numbers) and takes bf16 or else fp16 on CUDA; 'bfloat16_if_native' takes bf16 only
     # where it is native (a GPU with bf16, a CPU with bf16 dot products: both faked here), float32 elsewhere,
-    # never fp16; a named dtype is taken as named, and bf16 on a CPU without the units says it is slow there.
-    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: native)
+    # never fp16; a named dtype is taken as named, and bf16 on a CPU without the units says it is slow there. A
+    # GPU without native bf16 (before Ampere: V100, T4) is one where torch's check says yes with its default
+    # including_emulation=True, no without it (as torch 2.11's is_bf16_supported answers there)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda including_emulation=True: native or including_emulation)
     monkeypatch.setattr(train, 'cpu_has_bf16', lambda: native)
     dtype, why = train.pick_dtype(name, device)
     assert dtype == want

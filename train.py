@@ -203,7 +203,8 @@ def pick_dtype(name, device_type):
     """The compute dtype, and why it was chosen."""
     if name not in CHOICES['dtype']:
         raise TrainError(f"dtype={name!r}: expected one of {', '.join(map(repr, CHOICES['dtype']))}")
-    cuda_bf16 = device_type == 'cuda' and torch.cuda.is_bf16_supported()
+    # (not emulated: by default torch counts a GPU before Ampere (V100, T4) as bf16 where it can hold bf16 tensors)
+    cuda_bf16 = device_type == 'cuda' and torch.cuda.is_bf16_supported(including_emulation=False)
     if name == 'bfloat16_if_native':
         if cuda_bf16 or (device_type == 'cpu' and cpu_has_bf16()):
             return 'bfloat16', f'this {"GPU supports bf16" if cuda_bf16 else "CPU has " + CPU_BF16}'
