@@ -35,7 +35,11 @@ def _check_key(key, defaults, where):
 def _check_type(key, value, default, where):
     expected = type(default)
     if expected is float and type(value) is int:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range (1e308): a traceback otherwise
+            raise ConfigError(f"config key '{key}' in {where}: an integer of {len(str(abs(value)))} digits is "
+                              f"beyond a float's range") from None
     if type(value) is not expected:  # bool is a subclass of int: compare exact types
         raise ConfigError(f"config key '{key}' in {where}: got {value!r} ({type(value).__name__}), "
                           f"expected {expected.__name__} (default {default!r})"

@@ -805,6 +805,12 @@ def test_checkpoint_without_the_training_state_is_an_error_naming_the_file(data,
         with pytest.raises(train.TrainError, match=re.escape(f'{path} is not a training checkpoint of this script: '
                                                              f'it lacks {key}')):
             train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
+    # a file that loads but holds no dict (a tensor, None): it was a traceback from the test of its names
+    for value in (torch.zeros(3), None, [1, 2]):
+        torch.save(value, path)
+        with pytest.raises(train.TrainError, match=re.escape(f'{path} is not a checkpoint: it holds a '
+                                                             f'{type(value).__name__}, not a dict of named entries')):
+            train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume'))
 
 
 def test_missing_checkpoint_on_resume_is_an_error(data, tmp_path):
@@ -1679,12 +1685,13 @@ def test_resume_drops_a_metrics_line_cut_short(data, tmp_path, capsys):
     assert deterministic(read_metrics(out)) == deterministic(read_metrics(straight))
 
 
-@pytest.mark.parametrize('how', ['no-newline', 'not-an-object', 'no-iter', 'deleted'])
+@pytest.mark.parametrize('how', ['no-newline', 'not-an-object', 'no-iter', 'not-utf8', 'deleted'])
 def test_resume_keeps_metrics_whatever_the_end_of_the_file(data, tmp_path, capsys, how):
     # Reference: the uninterrupted run's lines. The last line may lack its newline (a crash between the record
     # and its newline): kept, and the next line starts on a line of its own. A line that is JSON but no record
-    # (a number, an object without 'iter') is dropped as unreadable. A deleted metrics.jsonl is no reason to stop:
-    # the resumed run writes its own lines.
+    # (a number, an object without 'iter') is dropped as unreadable, as is one with bytes that are not UTF-8 (a
+    # failure's garbage: it was a UnicodeDecodeError traceback, and the run could not resume). A deleted
+    # metrics.jsonl is no reason to stop: the resumed run writes its own lines.
     flags = ['--eval_interval=2', '--lr_decay_iters=6']
     straight, out = tmp_path / 'straight', tmp_path / 'out'
     assert train.main(args(data, straight, *flags, '--max_iters=6')) == 0
@@ -1694,6 +1701,9 @@ def test_resume_keeps_metrics_whatever_the_end_of_the_file(data, tmp_path, capsy
         path.write_bytes(read_bytes(path).rstrip(b'\n'))
     elif how == 'deleted':
         path.unlink()
+    elif how == 'not-utf8':
+        with open(path, 'ab') as f:
+            f.write(b'{"iter": 5, "loss\xff\xfe\n')
     else:
         with open(path, 'a') as f:
             f.write('12\n' if how == 'not-an-object' else '{"loss": 3.1}\n')

@@ -1104,6 +1104,14 @@ def test_value_that_literal_eval_refuses_with_a_type_error_is_a_config_error(tmp
         configure(train.DEFAULTS, [str(path)])
 
 
+def test_an_integer_beyond_a_floats_range_is_a_config_error(tmp_path):
+    # Reference: the message. float() of it raised OverflowError, a traceback (1e999 parses as inf, which
+    # check_config refuses by name)
+    with pytest.raises(ConfigError, match=re.escape("config key 'learning_rate' in flag '--learning_rate=1000") +
+                       r"0*': " + re.escape("an integer of 401 digits is beyond a float's range")):
+        configure(train.DEFAULTS, ['--learning_rate=1' + '0' * 400])
+
+
 def test_missing_config_file_is_named(tmp_path):
     # Reference: the path given and the reason
     path = tmp_path / 'nope.py'

@@ -866,12 +866,13 @@ def save_checkpoint(path, state):
 
 
 def load_checkpoint(path):
-    """torch.load to the CPU with weights_only=True: tensors and plain data only; nothing in the file runs code."""
+    """torch.load to the CPU with weights_only=True: tensors and plain data only; nothing in the file runs code.
+    A checkpoint is a dict (of names: what its reader needs is its to check)."""
     if not os.path.exists(path):
         raise TrainError(f"no checkpoint at {path}")
     check_readable(path, '')  # a directory, a file without read permission: one line naming it
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         code = re.search(r'GLOBAL (\S+)', str(e))  # the pickle names a function or class to import
         if code:
@@ -884,6 +885,9 @@ def load_checkpoint(path):
                              f"file, or one a failure left empty or cut short)") from None
         detail = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
         raise TrainError(f"checkpoint {path} is corrupt or truncated: {detail}") from None
+    if not isinstance(ckpt, dict):  # torch.save of a tensor, say: its readers would test names against it
+        raise TrainError(f"{path} is not a checkpoint: it holds a {type(ckpt).__name__}, not a dict of named entries")
+    return ckpt
 
 
 def rng_state():
@@ -1385,14 +1389,15 @@ def truncate_metrics(path, iter_num, say):
         return
     tmp, kept, unreadable = f'{path}.tmp', [], 0
     try:
-        with open(path) as f:
+        with open(path, 'rb') as f:  # bytes: a line a failure left with bytes that are not UTF-8 is unreadable too
             for line in f:
                 try:
+                    line = line.decode('utf-8')
                     if json.loads(line)['iter'] <= iter_num:
                         kept.append(line.rstrip('\n') + '\n')  # a last line may lack its newline
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError):  # (UnicodeDecodeError is a ValueError)
                     unreadable += 1
-        with open(tmp, 'w') as f:
+        with open(tmp, 'w', encoding='utf-8') as f:
             f.writelines(kept)
         os.replace(tmp, path)
     except OSError as e:
