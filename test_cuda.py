@@ -682,13 +682,16 @@ DEVICES = {
 @pytest.mark.parametrize('name', DEVICES)
 def test_peak_flops_by_device_name(monkeypatch, name):
     # Reference: the dense peaks of the vendors' datasheets and the Ada whitepaper (RTX 4090: bf16 with
-    # fp32 accumulate), typed in here; float32 matmuls run as TF32 at half the bf16 peak.
+    # fp32 accumulate), typed in here; float32 matmuls run as TF32 at half the bf16 peak. Each device's own: a
+    # node whose second GPU is an A100 (a process of torchrun on cuda:1 gets the A100's peak)
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
-    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, 'get_device_name',
+                        lambda device=None: 'NVIDIA A100-SXM4-80GB' if torch.device(device).index == 1 else name)
     bf16, fp8 = DEVICES[name]
     approx = lambda x: None if x is None else pytest.approx(x * T, rel=1e-9)  # noqa: E731
     assert model_module.peak_flops('cuda', 'bfloat16') == approx(bf16)
     assert model_module.peak_flops('cuda:0', 'float16') == approx(bf16)
+    assert model_module.peak_flops('cuda:1', 'bfloat16') == approx(312)
     assert model_module.peak_flops('cuda', 'float32') == approx(None if bf16 is None else bf16 / 2)
     assert model_module.peak_flops('cuda', 'float8') == approx(fp8)
     assert model_module.peak_flops('cpu', 'bfloat16') is None

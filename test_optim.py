@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import model as model_module
 import train
 from configurator import ConfigError
 from conftest import assert_same, deterministic, load, read_metrics, write_dataset
@@ -741,15 +742,26 @@ def test_selective_checkpointing_recomputes_only_cheap_ops(dropout):
         assert full['bmm'] > none['bmm']
 
 
-def test_selective_checkpointing_trains_end_to_end(data, tmp_path):
+def test_selective_checkpointing_trains_end_to_end(data, tmp_path, monkeypatch):
     # Reference: the same run without checkpointing: the logged losses must agree (recomputation is the
-    # same math), and they must go down.
+    # same math), and they must go down. And the setting reached the model: each training step checkpoints
+    # every block with the selective policy (the same losses would come from a setting that never arrived),
+    # the run without it none.
+    calls, real_checkpoint = [], model_module.checkpoint
+
+    def counting_checkpoint(*a, **k):
+        calls.append(k.get('context_fn'))
+        return real_checkpoint(*a, **k)
+    monkeypatch.setattr(model_module, 'checkpoint', counting_checkpoint)
     code, out_sel = main_capture(args(data, tmp_path / 'sel', '--max_iters=12', '--eval_interval=6',
                                       '--dropout=0.1', '--activation_checkpointing=selective'))
     assert code == 0
     assert re.search(r'act\. checkpoint\s+selective', out_sel)
+    n_layer = load(tmp_path / 'sel' / 'ckpt.pt')['model_args']['n_layer']
+    assert len(calls) == 12 * n_layer and all(c is not None for c in calls), len(calls)  # 12 one-micro-step steps
+    calls.clear()
     code, _ = main_capture(args(data, tmp_path / 'none', '--max_iters=12', '--eval_interval=6', '--dropout=0.1'))
-    assert code == 0
+    assert code == 0 and calls == []
     sel, none = deterministic(read_metrics(tmp_path / 'sel')), deterministic(read_metrics(tmp_path / 'none'))
     assert [r['iter'] for r in sel] == [r['iter'] for r in none]
     for a, b in zip(sel, none):
@@ -840,6 +852,7 @@ def test_first_iteration_of_main_is_one_plain_adamw_step(data, tmp_path):
     ('bfloat16_if_native', 'cuda', True, 'bfloat16'), ('bfloat16_if_native', 'cuda', False, 'float32'),
     ('bfloat16_if_native', 'mps', True, 'float32'), ('bfloat16', 'cpu', False, 'bfloat16'),
     ('float32', 'cuda', True, 'float32'), ('bfloat16', 'cpu', True, 'bfloat16'), ('float16', 'cpu', False, 'float16'),
+    ('bfloat16', 'cuda', False, 'bfloat16'),  # a GPU's run: its host CPU's units are no matter
 ])
 def test_precision_follows_the_device(monkeypatch, name, device, native, want):
     # Reference: the rule in the comment on train.py's dtype. 'auto' keeps the CPU in float32 (never a silent
@@ -945,16 +958,17 @@ def test_muon_newton_schulz_in_bf16_is_bf16_rounding_away_from_float64():
 
 
 @pytest.mark.parametrize('setting, device, bf16_units, want', [
-    ('auto', 'cuda', False, 'bfloat16'), ('auto', 'cpu', True, 'bfloat16'), ('auto', 'cpu', False, 'float32'),
-    ('auto', 'mps', True, 'float32'), ('float32', 'cuda', True, 'float32'), ('bfloat16', 'cpu', False, 'bfloat16'),
+    ('auto', 'cuda', '', 'bfloat16'), ('auto', 'cpu', 'avx512_bf16', 'bfloat16'), ('auto', 'cpu', 'amx', 'bfloat16'),
+    ('auto', 'cpu', '', 'float32'), ('auto', 'mps', 'avx512_bf16', 'float32'), ('float32', 'cuda', 'amx', 'float32'),
+    ('bfloat16', 'cpu', '', 'bfloat16'), ('bfloat16', 'cuda', '', 'bfloat16'),
 ])
 def test_muon_dtype_follows_the_device_unless_set(monkeypatch, setting, device, bf16_units, want):
     # Reference: the rule in train.py's comment on muon_dtype. 'auto' is bf16 on CUDA and on a CPU with bf16 dot
-    # products (torch's AVX512-BF16 and AMX probes, faked here), float32 elsewhere; a setting is taken as it is,
-    # and bf16 asked of a CPU without the units says so. The optimizer gets the dtype named, and the reason given
-    # is the one report() prints.
-    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: bf16_units)
-    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: False)
+    # products (torch's AVX512-BF16 probe or its AMX probe, either alone, faked here), float32 elsewhere; a setting
+    # is taken as it is, and bf16 asked of a CPU without the units says so (a GPU's run, whatever its host CPU,
+    # does not). The optimizer gets the dtype named, and the reason given is the one report() prints.
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: bf16_units == 'avx512_bf16')
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: bf16_units == 'amx')
     name, why = train.muon_ns_dtype(setting, device)
     assert name == want and why.startswith('as configured') == (setting != 'auto')
     assert ('emulated' in why) == (setting == 'bfloat16' and device == 'cpu' and not bf16_units), why
