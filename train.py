@@ -867,7 +867,8 @@ def save_checkpoint(path, state):
 
 def load_checkpoint(path):
     """torch.load to the CPU with weights_only=True: tensors and plain data only; nothing in the file runs code.
-    A checkpoint is a dict (of names: what its reader needs is its to check)."""
+    What it returns is a dict (a file that holds anything else is refused); which entries it needs, its reader
+    checks."""
     if not os.path.exists(path):
         raise TrainError(f"no checkpoint at {path}")
     check_readable(path, '')  # a directory, a file without read permission: one line naming it
