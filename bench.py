@@ -783,6 +783,14 @@ def in_optimizer_step(event):
     return False
 
 
+def device_kernels(events):
+    """The profiler's CUDA kernels (and copies), by start time; not GPU-side annotations, which span kernels and
+    the gaps between them."""
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in events if e.device_type == cuda and not getattr(e, 'is_user_annotation', False)]
+    return sorted(kernels, key=lambda e: e.time_range.start)
+
+
 def kernel_times(events):
     """From the profiler's events: each CUDA kernel's device time and calls by name, the time of each kind (a
     kernel launched from inside Optimizer.step is the optimizer's, whatever its name), each name's kind, and
@@ -790,8 +798,7 @@ def kernel_times(events):
     cuda = torch.autograd.DeviceType.CUDA
     spent, calls, shares, launched_by_optimizer = (collections.Counter() for _ in range(4))
     busy, end = 0.0, -math.inf
-    kernels = [e for e in events if e.device_type == cuda and not getattr(e, 'is_user_annotation', False)]
-    for e in sorted(kernels, key=lambda e: e.time_range.start):  # (GPU-side annotations span kernels and gaps)
+    for e in device_kernels(events):
         start, stop = max(e.time_range.start, end), e.time_range.end  # the union of the kernels' intervals
         busy, end = busy + max(0.0, stop - start), max(end, stop)
         spent[e.name] += e.time_range.elapsed_us()
@@ -831,11 +838,9 @@ def idle_gaps(events, links=None):
     A kernel's launcher: its linked_correlation_id (torch 2.13) or links' entry for it (kernel_links), the id of
     a host call that the profiler gave kernels (the runtime's launch calls link to it too, and their ids are of
     another count)."""
-    cuda = torch.autograd.DeviceType.CUDA
-    kernels = [e for e in events if e.device_type == cuda and not getattr(e, 'is_user_annotation', False)]
-    host = {e.id: e for e in events if e.device_type != cuda and e.kernels}
+    host = {e.id: e for e in events if e.device_type != torch.autograd.DeviceType.CUDA and e.kernels}
     gaps, end = [], None
-    for e in sorted(kernels, key=lambda e: e.time_range.start):
+    for e in device_kernels(events):
         if end is not None and e.time_range.start > end:
             link = getattr(e, 'linked_correlation_id', None)
             launcher, calls = host.get((links or {}).get(e.id, 0) if link is None else link), []
