@@ -85,9 +85,8 @@ def to_hf(state, c):
     out = {}
     for ours, theirs, rows in name_map(c):
         if ours not in state:
-            compiled = any(k.startswith('_orig_mod.') for k in state)
-            raise ValueError(f"the checkpoint's weights lack {ours}" +
-                             (" (its names start with _orig_mod.: saved from a compiled model)" if compiled else ''))
+            from train import compiled_note  # (here: train.py imports this file)
+            raise ValueError(f"the checkpoint's weights lack {ours}{compiled_note(state)}")
         out.update(zip(theirs, state[ours].split(rows) if rows else [state[ours]]))
     return out
 

@@ -15,7 +15,7 @@ import torch
 from configurator import configure, ConfigError
 from model import GPT, GPTConfig
 from prepare_data import get_tokenizer
-from train import TrainError, check_device, load_checkpoint, out_of_memory, pick_device, pick_dtype
+from train import TrainError, check_device, compiled_note, load_checkpoint, out_of_memory, pick_device, pick_dtype
 
 DEFAULTS = dict(
     out_dir='out',
@@ -54,10 +54,8 @@ def main(argv):
     try:
         model.load_state_dict(ckpt['model'])
     except RuntimeError as e:  # names missing, unexpected or misshapen
-        compiled = any(k.startswith('_orig_mod.') for k in ckpt['model'])
-        raise TrainError(f"{path}: its weights do not fit its model_args" +
-                         (" (their names start with _orig_mod.: saved from a compiled model)" if compiled else '') +
-                         f": {' '.join(str(e).split())[:500]}") from None
+        raise TrainError(f"{path}: its weights do not fit its model_args{compiled_note(ckpt['model'])}: "
+                         f"{' '.join(str(e).split())[:500]}") from None
     model.to(device).eval()
     meta = ckpt['meta']
     try:

@@ -1468,7 +1468,7 @@ def test_sample_errors_name_the_device_the_checkpoint_and_the_tokenizer(data, tm
         sample.main([*base, '--ckpt=unknown.pt'])
     torch.save({**ckpt, 'model': {f'_orig_mod.{k}': v for k, v in ckpt['model'].items()}}, out / 'compiled.pt')
     with pytest.raises(train.TrainError, match=re.escape(f"{out}/compiled.pt: its weights do not fit its model_args "
-                                                         "(their names start with _orig_mod.: saved from a compiled "
+                                                         "(its names start with _orig_mod.: saved from a compiled "
                                                          "model): Error(s) in loading state_dict for GPT: Missing")):
         sample.main([*base, '--ckpt=compiled.pt'])
     capsys.readouterr()

@@ -891,6 +891,13 @@ def load_checkpoint(path):
     return ckpt
 
 
+def compiled_note(state):
+    """What a message about a state dict's names adds where they are a compiled model's (torch.compile's
+    _orig_mod. prefix), else ''."""
+    compiled = any(k.startswith('_orig_mod.') for k in state)
+    return " (its names start with _orig_mod.: saved from a compiled model)" if compiled else ''
+
+
 def rng_state():
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {'python': random.getstate(), 'numpy': [keys.tolist(), pos, has_gauss, gauss],
