@@ -468,7 +468,7 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     # Reference: what each rung asks of SDPA, torch.compile and the loss, recorded as it runs: --sdpa_backend on
     # the rungs from 4 on (the math kernel before them), --compile_mode and --coordinate_descent_tuning on the compile
     # rung (inductor's setting, as the loss runs), --loss_chunk_tokens on the chunked-loss rungs only (0: the plain
-    # loss there too; -1: model.py's size, 2^19 at 128 tokens).
+    # loss there too; -1: model.py's size, 2^21 at 128 tokens).
     seen, real_kernel, real_apply = [], bench.sdpa_kernel, model_module.ChunkedCrossEntropy.apply
     real_run_rung = bench.run_rung
 
@@ -493,7 +493,7 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     assert len(ropes) == 4 * 2 * 2 * 8
     assert [r['status'] for r in report['rungs'] if r['rung'] in (1, 4, 7, 8)] == ['ok'] * 4
     math, flash = ('sdpa', torch.nn.attention.SDPBackend.MATH), ('sdpa', torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-    size = 2 ** 19 if chunk < 0 else chunk
+    size = 2 ** 21 if chunk < 0 else chunk
     eager, tuned = ([('chunk', size, on)] if size else [] for on in (False, True))
     steps = [e for i, e in enumerate(seen) if i == 0 or e != seen[i - 1]]  # one entry for a run of equal ones
     assert steps == [('rung', False, False), math, ('rung', False, False), flash, ('rung', True, False), flash, *eager,
@@ -1432,11 +1432,13 @@ def test_rope_probe_refuses_an_unknown_form(capsys):
     assert '--only: no form flip_head' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('part', 'abcdef')
+@pytest.mark.parametrize('part', 'abcdefg')
 def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
     # renamed or mistyped there would cost a step of that time. Its commands are recorded (python, nvidia-smi
-    # stand-ins; the script copied, since it empties bench_out/ where it lives) and each one's settings checked.
+    # stand-ins; the script copied, since it empties bench_out/ where it lives) and each one's settings checked;
+    # the steps' time limits (a timeout stand-in) add up to the 580 s the script promises, so that a part fits one
+    # 10-minute device command.
     os.makedirs(tmp_path / '.ci')
     script = tmp_path / '.ci' / 'gpu'
     script.write_text(open(os.path.join(HERE, '.ci', 'gpu')).read())
@@ -1447,12 +1449,18 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
                                     f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
                                     f"print('8 4' if sys.argv[1] == '-c' else '')\n")
     (bin_dir / 'nvidia-smi').write_text('#!/bin/sh\n')
-    for name in ('python', 'nvidia-smi'):
+    limits = tmp_path / 'limits'
+    (bin_dir / 'timeout').write_text(f'#!/bin/sh\n[ "$1" = -k ] && echo "$3" >> {limits} && shift 3 && exec "$@"\n'
+                                     'exit 99\n')  # .ci/gpu calls it as timeout -k 10 LIMIT COMMAND...
+    for name in ('python', 'nvidia-smi', 'timeout'):
         os.chmod(bin_dir / name, 0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / 'out'))
     done = subprocess.run(['bash', str(script), part], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert os.path.exists(tmp_path / 'out' / f'gpu-{part}.tgz')
+    steps = [line for line in done.stdout.splitlines() if ': rc ' in line]  # steps.txt's lines, as .ci/gpu tees them
+    assert steps and all(': rc 0 in ' in line for line in steps), done.stdout  # each ran, under its limit
+    assert 0 < sum(int(s) for s in open(limits).read().split()) <= 580, open(limits).read()
     calls = [json.loads(line) for line in open(log)]
     scripts = [c for c in calls if c[0] in ('bench.py', 'train.py', '.ci/rope_probe.py')]
     assert scripts and all(c[0] in ('bench.py', 'train.py', '.ci/rope_probe.py', '-c') or c[:2] == ['-m', 'pytest']

@@ -1473,11 +1473,11 @@ def test_sampling_settings_out_of_range_are_errors_naming_them(kwargs, message):
 
 
 def test_loss_chunk_size_keeps_a_chunk_of_logits_small():
-    # Reference: the sizes: a power of two of tokens whose logits fit in LOSS_CHUNK_LOGITS (256 MB in fp32).
+    # Reference: the sizes: a power of two of tokens whose logits fit in LOSS_CHUNK_LOGITS (1 GiB in fp32).
     def chunk(vocab_size):
         return GPT(GPTConfig(block_size=8, vocab_size=vocab_size, n_layer=1, n_head=1, n_embd=8)).loss_chunk_tokens
-    assert chunk(50304) == 1024 and 1024 * 50304 * 4 <= 256 * 2**20  # GPT-2: 16 chunks of a 16 x 1024 batch
-    assert chunk(100352) == 512 and chunk(128) == 2**19  # cl100k_base; characters: one chunk for any batch here
+    assert chunk(50304) == 4096 and 4096 * 50304 * 4 <= 2**30 < 8192 * 50304 * 4  # GPT-2: 4 chunks of 16 x 1024
+    assert chunk(100352) == 2048 and chunk(128) == 2**21  # cl100k_base; characters: one chunk for any batch here
 
 
 @pytest.mark.parametrize('tie, n_kv_head', [(True, 4), (False, 2), (True, 1)])
