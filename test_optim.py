@@ -771,6 +771,29 @@ def test_selective_checkpointing_trains_end_to_end(data, tmp_path, monkeypatch):
     assert losses[-1] < 0.75 * losses[0], losses
 
 
+def test_autocast_residual_reaches_the_model_and_is_named(data, tmp_path, monkeypatch, capsys):
+    # Reference: the dtype of what each block receives in the training steps, seen by a spy on Block.forward:
+    # under bf16 autocast the residual stream is bf16 with autocast_residual=True and float32 without it, as the
+    # run's report says; in float32 the setting changes nothing, and the run says so.
+    dtypes, real_forward = [], model_module.Block.forward
+
+    def spy(self, x, *a, **k):
+        if torch.is_grad_enabled():  # training steps, not evaluations
+            dtypes.append(x.dtype)
+        return real_forward(self, x, *a, **k)
+    monkeypatch.setattr(model_module.Block, 'forward', spy)
+    cases = [(['--dtype=bfloat16', '--autocast_residual=True'], torch.bfloat16, 'bfloat16 (autocast_residual)'),
+             (['--dtype=bfloat16'], torch.float32, 'float32 (autocast_residual off)'),
+             (['--autocast_residual=True'], torch.float32, 'float32')]  # args' dtype: float32
+    for i, (flags, want, line) in enumerate(cases):
+        dtypes.clear()
+        code, out = main_capture(args(data, tmp_path / str(i), '--max_iters=2', '--eval_iters=1', *flags))
+        assert code == 0 and re.search(rf'residual stream\s+{re.escape(line)}\n', out), out
+        assert len(dtypes) == 2 and set(dtypes) == {want}, (flags, dtypes)  # 1 block, 2 one-micro-step steps
+        no_effect = 'autocast_residual=True has no effect: this run computes in float32' in capsys.readouterr().err
+        assert no_effect == (i == 2), flags
+
+
 # ----------------------------------------------------------------------------------------------------
 # 7. combinations that are refused
 

@@ -28,6 +28,7 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
   muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
+- autocast_residual: the residual stream in autocast's dtype (model.autocast_residual).
 - activation checkpointing (full or selective), torch.compile (every shape of a step or an evaluation
   compiled before training: in_windows, eval_warm_up; loud fallback to eager if it fails, a stop with advice
   if it runs out of memory), periodic eval (also at iteration 0: eval_at_start; eval_iters=0: the whole val
@@ -152,6 +153,8 @@ compile = False                 # torch.compile the model
 compile_mode = 'default'        # 'default', 'reduce-overhead' (CUDA graphs), 'max-autotune' or
                                 # 'max-autotune-no-cudagraphs' (GEMM and kernel autotuning, minutes of compile)
 activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
+autocast_residual = False       # under bf16/fp16 autocast, the residual stream in that dtype, not float32: fewer
+                                # bytes per step (1.05x at 124M on an H100), each block's update rounded to it
 fp8 = False                     # train the large linear layers in FP8 (torchao; CUDA capability >= 8.9)
 fp8_recipe = 'tensorwise'       # 'tensorwise' or 'rowwise' scaling
 max_nonfinite_steps = 10        # stop after this many consecutive steps with a NaN/inf loss or gradient
@@ -1208,6 +1211,7 @@ def setup(cfg, argv, device, rank, world):
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
     r.model = model = GPT(r.model_config).to(device)  # the original module: checkpoints are saved from it
     model.activation_checkpointing = cfg.activation_checkpointing
+    model.autocast_residual = cfg.autocast_residual
     torch.manual_seed(cfg.seed + rank)  # different dropout masks in each process
     r.fp8_note = 'off'
     if cfg.fp8:  # before sharding and compile, like every conversion of the model
@@ -1651,8 +1655,17 @@ def report(r):
     say(f"  parallelism       {r.parallel_note}")
     say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
+    fsdp = r.world > 1 and cfg.parallelism == 'fsdp'
+    residual = ('float32' if r.dtype == 'float32' else f"{r.dtype} (FSDP's policy: all of the model in it)" if fsdp
+                else f"{r.dtype} (autocast_residual)" if cfg.autocast_residual else 'float32 (autocast_residual off)')
+    say(f"  residual stream   {residual}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
-    for warning in setting_warnings(cfg):
+    warnings = setting_warnings(cfg)
+    if cfg.autocast_residual and (r.dtype == 'float32' or fsdp):  # the dtype is known only now (dtype='auto')
+        warnings.append("autocast_residual=True has no effect: " + (
+            "this run computes in float32, without autocast" if r.dtype == 'float32' else
+            f"FSDP's mixed-precision policy computes the whole model, its residual stream too, in {r.dtype}"))
+    for warning in warnings:
         say(f"warning: {warning}", file=sys.stderr)
 
 
