@@ -340,8 +340,9 @@ def _selective_policy(ctx, op, *args, **kwargs):
 # kernels need CUDA; this one is plain PyTorch, runs on any device, and torch.compile fuses its elementwise ops.
 
 # logits per chunk at most: 4096 tokens of GPT-2's vocabulary, 824 MB in fp32. On an H100 at 124M (16 x 1024 tokens
-# per micro-batch) 4 chunks ran 3% faster than 16 with a 0.7 GB lower peak (BENCHMARKS.md): fewer partial head
-# gradients to hold and sum
+# per micro-batch), compiled, 4 chunks ran 3% faster than 16 with a 0.7 GB lower peak (BENCHMARKS.md): fewer partial
+# head gradients to hold and sum. Eager holds none of those, and a larger chunk raises its peak instead (about 1.2 GB
+# there by arithmetic: 8 bytes per logit in flight)
 LOSS_CHUNK_LOGITS = 2 ** 28
 IGNORE_INDEX = -100  # a target that counts in neither the loss nor the mean, in both losses (F.cross_entropy's)
 

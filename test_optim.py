@@ -794,6 +794,31 @@ def test_autocast_residual_reaches_the_model_and_is_named(data, tmp_path, monkey
         assert no_effect == (i == 2), flags
 
 
+def test_fsdp_policy_puts_the_residual_stream_in_its_dtype_as_the_report_says(tmp_path):
+    # Reference: FSDP2 itself (one process, gloo): under the bf16 policy train.py gives it, the blocks receive bf16
+    # with autocast_residual off, so the report names bf16 and calls autocast_residual=True useless there.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "rendezvous"}', rank=0, world_size=1)
+    try:
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        dtypes = []
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda m, args: dtypes.append(args[0].dtype))
+        model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))[1].backward()
+    finally:
+        dist.destroy_process_group()
+    assert dtypes == [torch.bfloat16] * 2
+    assert train.residual_stream(False, 'bfloat16', True) == ("bfloat16 (FSDP's policy: all of the model in it)", None)
+    note, warning = train.residual_stream(True, 'bfloat16', True)
+    assert note.startswith('bfloat16') and warning.startswith('autocast_residual=True has no effect: FSDP')
+    assert train.residual_stream(False, 'float32', True) == ('float32', None)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 7. combinations that are refused
 

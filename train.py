@@ -1655,18 +1655,27 @@ def report(r):
     say(f"  parallelism       {r.parallel_note}")
     say(f"  compile           {r.compile_note}")
     say(f"  act. checkpoint   {cfg.activation_checkpointing}")
-    fsdp = r.world > 1 and cfg.parallelism == 'fsdp'
-    residual = ('float32' if r.dtype == 'float32' else f"{r.dtype} (FSDP's policy: all of the model in it)" if fsdp
-                else f"{r.dtype} (autocast_residual)" if cfg.autocast_residual else 'float32 (autocast_residual off)')
+    residual, residual_warning = residual_stream(cfg.autocast_residual, r.dtype,
+                                                 r.world > 1 and cfg.parallelism == 'fsdp')
     say(f"  residual stream   {residual}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
-    warnings = setting_warnings(cfg)
-    if cfg.autocast_residual and (r.dtype == 'float32' or fsdp):  # the dtype is known only now (dtype='auto')
-        warnings.append("autocast_residual=True has no effect: " + (
-            "this run computes in float32, without autocast" if r.dtype == 'float32' else
-            f"FSDP's mixed-precision policy computes the whole model, its residual stream too, in {r.dtype}"))
+    # setting_warnings, and autocast_residual's, which needs the run's dtype (dtype='auto' is resolved at setup)
+    warnings = setting_warnings(cfg) + ([residual_warning] if residual_warning else [])
     for warning in warnings:
         say(f"warning: {warning}", file=sys.stderr)
+
+
+def residual_stream(autocast_residual, dtype, fsdp):
+    """(the residual stream's dtype as the report names it, a warning where autocast_residual=True changes
+    nothing, or None). Under FSDP the mixed-precision policy, not autocast, computes the whole model in dtype."""
+    if dtype == 'float32':
+        return 'float32', ("autocast_residual=True has no effect: this run computes in float32, without autocast"
+                           if autocast_residual else None)
+    if fsdp:
+        return f"{dtype} (FSDP's policy: all of the model in it)", (
+            f"autocast_residual=True has no effect: FSDP's mixed-precision policy computes the whole model, its "
+            f"residual stream too, in {dtype}" if autocast_residual else None)
+    return (f"{dtype} (autocast_residual)" if autocast_residual else 'float32 (autocast_residual off)'), None
 
 
 def evals_left(it, cfg):
