@@ -53,7 +53,7 @@ or max-autotune) over the rung's warm-up too, which records the graphs and alloc
 and its benchmarks' buffers). Activation memory (activation_mb, on every device): the bytes saved for backward in
 one micro-step, after the timed steps (activation_bytes). Loss: the last timed step's (`loss`), and in bench.json
 each timed step's, in order (`losses`: averaged over many steps, they compare two precisions' training better
-than one step's loss).
+than one step's loss; from 20 timed steps on, bench.md gives each rung's mean over the last half: loss_means).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line.
 """
@@ -470,6 +470,9 @@ def variants_line(meta, ran):
     return "- variants: " + ', '.join(parts.values())
 
 
+LOSS_MEAN_STEPS = 20  # timed steps from which the report gives each rung's mean loss over the last half
+
+
 def markdown(rows, meta):
     shape = ', '.join(f"{k}={meta['model'][k]}" for k in SHAPE)
     first = next((r for r in rows if r['status'] == 'ok'), None)
@@ -496,7 +499,21 @@ def markdown(rows, meta):
             cells[list(COLUMNS).index('MFU')] += f" of {r['mfu_peak']}"  # the peak it is measured against
         note = '' if ok else f"{r['status']}: {r['reason']}".replace('|', '/').replace('\n', ' ')
         lines.append('| ' + ' | '.join([str(r['rung']), r['name'], r['precision'], *cells, note]) + ' |')
-    return '\n'.join(lines) + '\n'
+    means = loss_means(rows)
+    return '\n'.join(lines + (['', means] if means else [])) + '\n'
+
+
+def loss_means(rows):
+    """With LOSS_MEAN_STEPS timed steps or more: a line with each rung's mean loss over the last half of them,
+    against the first rung's (a precision's training compared, where one step's loss is noise); else ''."""
+    ok = [r for r in rows if r['status'] == 'ok' and len(r['losses'] or ()) >= LOSS_MEAN_STEPS]
+    if not ok:
+        return ''
+    n = len(ok[0]['losses']) // 2  # every rung times the same steps
+    means = [(r['rung'], sum(r['losses'][-n:]) / n) for r in ok]
+    (first, ref), rest = means[0], means[1:]
+    return (f"loss, mean of the last {n} of the {len(ok[0]['losses'])} timed steps: rung {first} {ref:.5f}"
+            + ''.join(f"; rung {rung} {m:.5f} ({(m / ref - 1) * 100:+.2f}% against rung {first})" for rung, m in rest))
 
 
 def plot(rows, meta, path):

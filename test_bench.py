@@ -87,6 +87,20 @@ def test_ladder_writes_every_rung_with_the_documented_keys(result):
     assert (out / 'bench.png').stat().st_size > 1000
 
 
+def test_many_timed_steps_give_each_rungs_mean_loss_over_their_last_half(result, tmp_path):
+    # Reference: bench.json's losses, averaged here over the last half of the 20 timed steps (2 x 10), for the two
+    # rungs that ran, and the second's difference to the first; the default 2 x 2 steps (the module's run) give no
+    # such line, where one step's noise would be all it says.
+    report = run_ladder(str(tmp_path), '--rungs=1,4', '--steps=10', '--repeats=2')
+    (one, four) = [r for r in report['rungs'] if r['status'] == 'ok']
+    assert (one['rung'], four['rung']) == (1, 4) and len(one['losses']) == len(four['losses']) == 20
+    m1, m4 = (sum(r['losses'][10:]) / 10 for r in (one, four))
+    want = (f"loss, mean of the last 10 of the 20 timed steps: rung 1 {m1:.5f}; rung 4 {m4:.5f} "
+            f"({(m4 / m1 - 1) * 100:+.2f}% against rung 1)")
+    assert open(tmp_path / 'bench.md').read().endswith('\n\n' + want + '\n')
+    assert 'loss, mean' not in open(result[1] / 'bench.md').read()
+
+
 def test_speed_only_rungs_keep_the_baseline_loss(result):
     rungs = [r for r in result[0]['rungs'] if r['status'] == 'ok']
     baseline = rungs[0]['loss']
