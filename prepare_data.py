@@ -400,6 +400,9 @@ def load_hf(path):
         eos = eos[0] if isinstance(eos, list) and eos else eos
         if eos is not None and not isinstance(eos, int):
             raise ValueError(f"{file}: eos_token_id={eos!r} is not a token id")
+        if eos is not None and not 0 <= eos < enc.n_vocab:  # else an id with no token, past meta's vocab_size
+            raise ValueError(f"{file}: eos_token_id={eos} is not a token id of the tokenizer, whose vocabulary "
+                             f"has {enc.n_vocab} ids (0..{enc.n_vocab - 1})")
     enc.eot_token = eos
     # pieces of the input are encoded apart, cut after line breaks (cut_point, PIECE_CUT): exact only for a
     # tokenizer that splits there anyway, as byte-level BPEs with a GPT-style regex do (GPT-2, Llama 3,

@@ -15,6 +15,7 @@ import random
 import re
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -195,6 +196,18 @@ def test_cl100k_matches_tiktoken(tmp_path, monkeypatch, chunk_bytes):
     assert decode(ids) == ''.join(texts)
 
 
+def test_cl100k_of_invalid_utf8_encodes_the_replacement_character(tmp_path):
+    # Reference: tiktoken's encoding of train's and val's text decoded with errors='replace' (U+FFFD for a bad byte)
+    enc = cl100k_offline()
+    data = b'caf\xff ok \xc3 bad\xe6\x97 byte\n' * 40
+    (tmp_path / 'a.txt').write_bytes(data)
+    prepare(str(tmp_path / 'a.txt'), 'cl100k_base', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    k = expected_split(data, 0.1)
+    assert train.tolist() == enc.encode_ordinary(data[:k].decode('utf-8', errors='replace'))
+    assert val.tolist() == enc.encode_ordinary(data[k:].decode('utf-8', errors='replace')) + [enc.eot_token]
+
+
 @pytest.mark.parametrize('name', ['gpt2', 'cl100k_base'])
 def test_bpe_unavailable_offline_names_the_choices(tmp_path, monkeypatch, name):
     tiktoken = pytest.importorskip('tiktoken')
@@ -266,27 +279,42 @@ def test_a_name_with_glob_characters_that_exists_is_read_as_it_is(tmp_path):
     assert meta['sources'] == [f'{t}/notes d.txt']
 
 
-def test_data_dir_inside_input_dir_skips_old_outputs(tmp_path):
-    write(tmp_path / 'd' / 'input.txt', 'to be or not to be\n' * 20)
-    first = prepare(str(tmp_path / 'd'), 'char', str(tmp_path / 'd'), 0.1)
-    second = prepare(str(tmp_path / 'd'), 'char', str(tmp_path / 'd'), 0.1)
-    assert first == second and second['sources'] == [str(tmp_path / 'd' / 'input.txt')]
+@pytest.mark.parametrize('d', ['absolute', 'd', 'd/../d'])
+def test_data_dir_inside_input_dir_skips_old_outputs(tmp_path, monkeypatch, d):
+    # Reference: the one input file written here and its text. An earlier run's outputs and a killed run's .tmp
+    # files in that directory are never input, by whatever path (absolute, relative, through '..') they are reached
+    monkeypatch.chdir(tmp_path)
+    d = str(tmp_path / 'd') if d == 'absolute' else d
+    text = 'to be or not to be\n' * 20
+    write(tmp_path / 'd' / 'input.txt', text)
+    for name in prepare_data.OUTPUTS:
+        write(tmp_path / 'd' / f'{name}.tmp', 'left by a killed run\n' * 5)
+    first = prepare(d, 'char', d, 0.1)
+    second = prepare(d, 'char', d, 0.1)
+    assert first == second and second['sources'] == [os.path.join(d, 'input.txt')]
+    meta, train, val = load(tmp_path / 'd')
+    assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == text
 
 
-def test_failed_run_keeps_old_dataset(tmp_path, monkeypatch):
+@pytest.mark.parametrize('error', [OSError, KeyboardInterrupt])
+def test_failed_run_keeps_old_dataset(tmp_path, monkeypatch, error):
+    # Reference: the old dataset's bytes, read before the run. An error while encoding (a Ctrl-C too, which is no
+    # Exception) propagates, leaves them as they were and no .tmp; a first run into a new data_dir leaves no data_dir
     path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
     prepare(path, 'char', str(tmp_path / 'out'), 0.1)
     before = {n: (tmp_path / 'out' / n).read_bytes() for n in os.listdir(tmp_path / 'out')}
 
     def crash(chars):
         def encode_chunk(data):
-            raise OSError('disk full')
+            raise error('disk full')
         return encode_chunk
     monkeypatch.setattr(prepare_data, 'char_encoder', crash)
-    with pytest.raises(OSError):
-        prepare(path, 'char', str(tmp_path / 'out'), 0.1)
+    for out in ('out', 'new'):
+        with pytest.raises(error):
+            prepare(path, 'char', str(tmp_path / out), 0.1)
     after = {n: (tmp_path / 'out' / n).read_bytes() for n in os.listdir(tmp_path / 'out')}
     assert after == before and sorted(after) == sorted(prepare_data.OUTPUTS)  # no .tmp left
+    assert not (tmp_path / 'new').exists()
 
 
 def test_crash_while_renaming_leaves_no_meta(tmp_path, monkeypatch):
@@ -378,27 +406,29 @@ def test_data_dir_that_cannot_be_written_is_an_error_before_the_input_is_read(tm
         assert run.returncode == 1 and run.stderr == msg + '\n', run.stderr  # no traceback
 
 
-@pytest.mark.parametrize('fault', ['write-ENOSPC', 'replace-EACCES'])
-def test_write_error_names_the_file_and_leaves_no_complete_looking_dataset(tmp_path, monkeypatch, fault):
-    # the data_dir check passes, then writing train.bin (or renaming it into place) fails: one line naming the
-    # file, no .tmp left, and no meta.json beside .bin files it does not describe (the old dataset, if intact)
+@pytest.mark.parametrize('fault, name', [('write-ENOSPC', 'train.bin'), ('write-ENOSPC', 'val.bin'),
+                                         ('write-ENOSPC', 'meta.json'), ('replace-EACCES', 'train.bin')])
+def test_write_error_names_the_file_and_leaves_no_complete_looking_dataset(tmp_path, monkeypatch, fault, name):
+    # Reference: the path of the file that fails and the OS's reason, the old dataset's bytes. The data_dir check
+    # passes, then writing train.bin, val.bin or meta.json (or renaming train.bin into place) fails: one line naming
+    # that file, no .tmp left, and no meta.json beside .bin files it does not describe (the old dataset, if intact)
     path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
     out = tmp_path / 'out'
     prepare(path, 'char', str(out), 0.1)
     before = {n: (out / n).read_bytes() for n in os.listdir(out)}
     new = write(tmp_path / 'b.txt', 'other\ntext\n' * 10)
-    train_tmp = str(out / 'train.bin.tmp')
+    tmp = str(out / f'{name}.tmp')
     if fault == 'write-ENOSPC':
-        fail_open(monkeypatch, lambda p: p == train_tmp, errno.ENOSPC)
+        fail_open(monkeypatch, lambda p: p == tmp, errno.ENOSPC)
         reason = 'No space left on device'
     else:
-        fail_for(monkeypatch, 'replace', lambda p: p == train_tmp, errno.EACCES)
+        fail_for(monkeypatch, 'replace', lambda p: p == tmp, errno.EACCES)
         reason = 'Permission denied'
     with pytest.raises(SystemExit) as e:
         prepare_data.main([f'--input={new}', f'--data_dir={out}'])
     monkeypatch.undo()
     msg = str(e.value.code)
-    assert msg.startswith('prepare_data.py: error: ') and train_tmp in msg and reason in msg and '\n' not in msg, msg
+    assert msg == f'prepare_data.py: error: {tmp}: {reason}', msg
     after = {n: (out / n).read_bytes() for n in os.listdir(out)}
     if fault == 'write-ENOSPC':
         assert after == before  # failed before anything was replaced
@@ -419,6 +449,64 @@ def test_rename_error_names_both_paths(tmp_path, monkeypatch):
     assert str(e.value.code) == f"prepare_data.py: error: {out}/train.bin.tmp -> {out}/train.bin: Permission denied"
 
 
+def test_partial_writes_are_completed(tmp_path, monkeypatch):
+    # Reference: the input's text and the token counts of meta.json. The .bin files' raw writes take at most 100
+    # bytes and return that count, as a raw write may: every byte must still reach the file
+    text = ''.join(f'line {i}: café\n' for i in range(2000))
+    real_open = open
+
+    class Short:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            return self.f.write(bytes(data[:100]))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+    monkeypatch.setattr(prepare_data, 'open', lambda path, *a, **k: Short(real_open(path, *a, **k))
+                        if str(path).endswith('.bin.tmp') else real_open(path, *a, **k), raising=False)
+    prepare(write(tmp_path / 'a.txt', text), 'char', str(tmp_path / 'out'), 0.1)
+    monkeypatch.undo()
+    meta, train, val = load(tmp_path / 'out')
+    for name, count in (('train.bin', meta['train_tokens']), ('val.bin', meta['val_tokens'])):
+        assert os.path.getsize(tmp_path / 'out' / name) == train.itemsize * count > 100, name
+    assert get_tokenizer(meta)[1](train.tolist() + val.tolist()) == text
+
+
+def test_token_id_that_does_not_fit_the_dtype_is_an_error(tmp_path, monkeypatch):
+    # Reference: uint16 holds ids up to 65535. An id past it (an encoder that breaks its vocabulary; load_hf refuses
+    # the one real case, an eos id past the tokenizer's) must not wrap around silently: an error, no dataset left
+    monkeypatch.setattr(prepare_data, 'char_encoder', lambda chars: lambda texts: [np.array([70000])] * len(texts))
+    with pytest.raises(ValueError, match=re.escape('token id 70000 does not fit in uint16')):
+        prepare(write(tmp_path / 'a.txt', 'ab\nba\n' * 10), 'char', str(tmp_path / 'out'), 0.1)
+    assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('eos', [4, 500, 70000, -1])
+def test_hf_eos_id_outside_the_vocabulary_is_refused(tmp_path, eos):
+    # Reference: the 4 ids (0..3) written into the tokenizer here. config.json's eos_token_id past them (or below 0)
+    # would be an id with no token, past meta.json's vocab_size (or one that wraps around): refused before any work
+    tokenizers = pytest.importorskip('tokenizers')
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({'<unk>': 0, 'a': 1, 'b': 2, '\n': 3}, unk_token='<unk>'))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split('\n', 'isolated')
+    tok.save(str(tmp_path / 'tokenizer.json'))
+    (tmp_path / 'config.json').write_text(json.dumps({'eos_token_id': eos}))
+    path = write(tmp_path / 'a.txt', 'ab\nba\n' * 10)
+    message = (f"{tmp_path / 'config.json'}: eos_token_id={eos} is not a token id of the tokenizer, whose vocabulary "
+               f"has 4 ids (0..3)")
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={path}', f'--tokenizer=hf:{tmp_path}', f'--data_dir={tmp_path / "out"}'])
+    assert str(e.value.code) == f'prepare_data.py: error: {message}'
+    assert not (tmp_path / 'out').exists()
+    (tmp_path / 'config.json').write_text(json.dumps({'eos_token_id': 3}))  # the top id is one
+    meta = prepare(path, f'hf:{tmp_path}', str(tmp_path / 'out'), 0.1)
+    assert meta['vocab_size'] == 4 and meta['eot_token'] == 3
+
+
 def test_invalid_utf8_becomes_replacement_character(tmp_path):
     (tmp_path / 'a.txt').write_bytes(b'caf\xc3\xa9 \xff bad byte\n' * 20)
     meta = prepare(str(tmp_path / 'a.txt'), 'char', str(tmp_path / 'out'), 0.1)
@@ -428,11 +516,13 @@ def test_invalid_utf8_becomes_replacement_character(tmp_path):
 
 
 def test_bad_values_are_errors_naming_them(tmp_path):
+    # Reference: the whole message of each check, so that a later error that also names the value (val_fraction=0.0
+    # let through is 'input too small to split ... val_fraction=0.0') does not pass for it
     path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
-    with pytest.raises(ValueError, match="'bpe'"):
+    with pytest.raises(ValueError, match=re.escape("unknown tokenizer 'bpe': choose one of char, gpt2, cl100k_base")):
         prepare(path, 'bpe', str(tmp_path / 'out'), 0.1)
     for fraction in (0.0, 1.0, -0.5, 1.5):
-        with pytest.raises(ValueError, match=f'val_fraction={fraction}'):
+        with pytest.raises(ValueError, match=re.escape(f'val_fraction={fraction} must be between 0 and 1, exclusive')):
             prepare(path, 'char', str(tmp_path / 'out'), fraction)
     for text in ('x', ''):  # the split would leave a split empty
         with pytest.raises(ValueError, match='input too small'):
@@ -445,7 +535,7 @@ def test_bad_values_are_errors_naming_them(tmp_path):
     with pytest.raises(ValueError, match='input too small'):
         prepare(write(tmp_path / 'small.txt', 'x'), 'char', str(tmp_path / 'new' / 'out'), 0.1)
     assert os.listdir(tmp_path / 'new') == []
-    with pytest.raises(ValueError, match='threads=-1'):
+    with pytest.raises(ValueError, match=re.escape('threads=-1 must be 0 (every core) or more')):
         prepare(path, 'char', str(tmp_path / 'out'), 0.1, threads=-1)
     with pytest.raises(SystemExit, match="prepare_data.py: error: unknown tokenizer 'bpe'"):
         prepare_data.main([f'--input={path}', '--tokenizer=bpe'])
@@ -623,6 +713,35 @@ def test_json_is_read_as_json_lines(tmp_path):
         assert other == {k: v for k, v in meta.items() if k != 'sources'}, kind
 
 
+@pytest.mark.parametrize('kind', ['large_string', 'string_view'])
+def test_parquet_large_and_view_string_columns_read_as_string(tmp_path, kind):
+    # Reference: the same documents in a plain string column; the .bin files must be byte-identical
+    pa, pq = pytest.importorskip('pyarrow'), pytest.importorskip('pyarrow.parquet')
+    if not hasattr(pa, kind):
+        pytest.skip(f'pyarrow {pa.__version__} has no {kind}')
+    docs = documents()
+    for name, kind_ in (('plain', pa.string()), ('other', getattr(pa, kind)())):
+        pq.write_table(pa.table({'text': pa.array(docs, kind_)}), tmp_path / f'{name}.parquet', row_group_size=4)
+        prepare(str(tmp_path / f'{name}.parquet'), 'char', str(tmp_path / name), 0.1)
+    assert str(pq.ParquetFile(tmp_path / 'other.parquet').schema_arrow.field('text').type) == kind  # as written
+    for name in ('train.bin', 'val.bin'):
+        assert (tmp_path / 'other' / name).read_bytes() == (tmp_path / 'plain' / name).read_bytes(), name
+
+
+@pytest.mark.parametrize('kind', ['JSONL', 'JSONL.GZ'])
+def test_upper_case_record_extensions_are_records(tmp_path, kind):
+    # Reference: the same records in docs.jsonl (byte-identical .bin files) and the documents' text
+    docs = documents()
+    prepare(write_records(tmp_path, docs, 'jsonl'), 'char', str(tmp_path / 'lower'), 0.1)
+    upper = str(tmp_path / f'DOCS.{kind}')
+    os.rename(write_records(tmp_path, docs, kind.lower()), upper)
+    prepare(upper, 'char', str(tmp_path / 'upper'), 0.1)
+    for name in ('train.bin', 'val.bin'):
+        assert (tmp_path / 'upper' / name).read_bytes() == (tmp_path / 'lower' / name).read_bytes(), name
+    meta, train, val = load(tmp_path / 'upper')
+    assert meta['text_field'] == 'text' and get_tokenizer(meta)[1](train.tolist() + val.tolist()) == ''.join(docs)
+
+
 def bad_jsonl(tmp_path, line):
     good = ''.join(json.dumps({'text': f'document {i}\n'}) + '\n' for i in range(5))
     return write(tmp_path / 'bad.jsonl', good + '\n' + line + '\n' + good)  # a blank line 6, the bad one 7
@@ -640,6 +759,17 @@ def truncated_gz(tmp_path):
     data = open(path, 'rb').read()
     open(path, 'wb').write(data[:len(data) // 2])
     return path
+
+
+def corrupt_gz(tmp_path):
+    """A .jsonl.gz whose deflate stream has a flipped byte (its 10-byte header intact): zlib.error, not EOFError."""
+    raw = bytearray(gzip.compress(''.join(json.dumps({'text': f'document {i}\n' * 50}) + '\n'
+                                          for i in range(200)).encode(), mtime=0))
+    raw[12] ^= 0xff
+    with pytest.raises(zlib.error):
+        gzip.decompress(raw)
+    (tmp_path / 'docs.jsonl.gz').write_bytes(raw)
+    return str(tmp_path / 'docs.jsonl.gz')
 
 
 BAD_RECORDS = {
@@ -665,6 +795,7 @@ BAD_RECORDS = {
                  r"bad\.parquet, row group 1, row 1 \(row 4 of the file\): 'text' is null"),
     'empty record': (lambda t: bad_jsonl(t, '{}'), r"bad\.jsonl, line 7: no field 'text' \(the record has no field\)"),
     'truncated gz': (truncated_gz, r'docs\.jsonl\.gz: unreadable after line \d+ \(EOFError'),
+    'corrupt gz': (corrupt_gz, r'docs\.jsonl\.gz: unreadable from its start \(error: Error -3 while decompressing'),
     'not gzip': (lambda t: write(t / 'docs.jsonl.gz', '{"text": "a"}\n'),
                  r'docs\.jsonl\.gz: unreadable from its start \(BadGzipFile'),
     'not parquet': (lambda t: write(t / 'bad.parquet', 'text,id\n'), r'bad\.parquet: not a readable Parquet file'),
@@ -730,6 +861,30 @@ def test_cl100k_of_text_cut_after_a_space_and_newline(tmp_path, monkeypatch, chu
     meta, train, val = load(tmp_path / 'out')
     data = text.encode()
     k = expected_split(data, 0.1)
+    assert train.tolist() == enc.encode_ordinary(data[:k].decode())
+    assert val.tolist() == enc.encode_ordinary(data[k:].decode()) + [enc.eot_token]
+
+
+# GPT-2's regex (r50k_pat_str of tiktoken_ext/openai_public.py), which keeps a space before a newline apart from it
+# unless the text ends there: text cut after ' \n' is encoded differently from the whole
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+def test_pieces_are_not_cut_after_a_space_and_newline_for_a_gpt2_regex(tmp_path, monkeypatch):
+    # Reference: tiktoken's encoding of train's and val's text whole, with GPT-2's regex over cl100k's ranks (GPT-2's
+    # own ranks need the network). 2 threads cut each chunk into about 8 pieces, never after a ' \n'
+    tiktoken, cl100k = pytest.importorskip('tiktoken'), cl100k_offline()
+    enc = tiktoken.Encoding(name='gpt2_pat', pat_str=GPT2_PAT, mergeable_ranks=cl100k._mergeable_ranks,
+                            special_tokens=cl100k._special_tokens)
+    monkeypatch.setattr(prepare_data, 'load_bpe', lambda name: enc)
+    rng = random.Random(6)
+    text = ''.join(' '.join(rng.choice(['the', 'cat', 'sat', 'über']) for _ in range(rng.randrange(1, 6))) + ' \n'
+                   for _ in range(2000))
+    prepare(write(tmp_path / 'a.txt', text), 'cl100k_base', str(tmp_path / 'out'), 0.1, threads=2)
+    meta, train, val = load(tmp_path / 'out')
+    data = text.encode()
+    k = expected_split(data, 0.1)
+    assert enc.encode_ordinary('a \nb') != enc.encode_ordinary('a \n') + enc.encode_ordinary('b')  # a cut shows
     assert train.tolist() == enc.encode_ordinary(data[:k].decode())
     assert val.tolist() == enc.encode_ordinary(data[k:].decode()) + [enc.eot_token]
 
