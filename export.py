@@ -297,8 +297,8 @@ def write_tokenizer(meta, hf_dir, max_len):
 # what transformers reads from a model directory besides the files an export writes (model.safetensors, config.json,
 # generation_config.json and its tokenizer's): left there by another export or model, they would load with this one
 FOREIGN = ('model.safetensors.index.json', 'pytorch_model.bin', 'pytorch_model.bin.index.json', 'tokenizer.json',
-           'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model', 'vocab.json', 'merges.txt',
-           'char_vocab.json')
+           'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json', 'chat_template.jinja',
+           'additional_chat_templates', 'tokenizer.model', 'vocab.json', 'merges.txt', 'char_vocab.json')
 
 
 def export(ckpt_path, hf_dir, dtype='float32'):

@@ -172,6 +172,26 @@ def test_llama3_rope_in_the_older_config_layout(hf_dirs, tmp_path):
     assert export.hf_model_args(old)[0]['rope_original_max_len'] == 32
 
 
+@pytest.mark.parametrize('model, changes, theta, original', [
+    ('llama_gqa', dict(rope_theta=1e4), 5e5, None),  # beside rope_parameters' rope_theta of 5e5
+    ('llama3_rope', dict(original_max_position_embeddings=48), 1e4, 48),  # beside rope_parameters' 32 (as Phi-3)
+])
+def test_rope_keys_in_two_places_are_read_as_transformers_reads_them(hf_dirs, tmp_path, model, changes, theta,
+                                                                      original):
+    # Reference: transformers' model of the edited config.json, its RoPE parameters as it resolves them and its logits
+    # up to position 59 (past both lengths). transformers 5 takes rope_theta from rope_parameters over the top level,
+    # original_max_position_embeddings from the top level over rope_parameters (AutoConfig alone still shows the 32:
+    # the model's standardize_rope_params moves the top-level one in)
+    path = edit_config(hf_dirs[model], tmp_path / 'hf', **changes)
+    theirs = hf_model(path)
+    rope, (args, _) = theirs.config.rope_parameters, export.hf_model_args(path)
+    assert args['rope_base'] == rope['rope_theta'] == theta
+    assert args.get('rope_original_max_len') == rope.get('original_max_position_embeddings') == original
+    ids = torch.randint(V, (2, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours_from_hf(path)(ids)[0], theirs(ids).logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize('head_dim, base, factor, low, high, original', [
     (64, 5e5, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B and 3B
     (128, 5e5, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
@@ -364,6 +384,22 @@ def test_finetune_on_another_vocabulary_is_refused(hf_dirs, hf_data, tok_dir, tm
         train.main([*argv, f'--out_dir={tmp_path / "o4"}'])
 
 
+def test_finetune_from_a_relative_path_with_the_models_own_tokenizer(hf_dirs, tok_dir, tmp_path, monkeypatch):
+    # Reference: sha256 of the bytes of the model directory's tokenizer.json, which ends in a line break (as a file
+    # edited by hand does): the data prepared with it records that, and the finetune on it accepts the model's
+    # tokenizer; the model directory's absolute path, recorded as where the run started (a relative one names
+    # nothing once read from another working directory)
+    model_dir = shutil.copytree(hf_dirs['llama_gqa'], tmp_path / 'llama')
+    data = open(os.path.join(tok_dir, 'tokenizer.json'), 'rb').read() + b'\n'
+    (model_dir / 'tokenizer.json').write_bytes(data)
+    (tmp_path / 'in.txt').write_text(corpus()[0], encoding='utf-8')
+    meta = prepare_data.prepare(str(tmp_path / 'in.txt'), f'hf:{model_dir}', str(tmp_path / 'data'), 0.1)
+    assert meta['tokenizer_sha256'] == hashlib.sha256(data).hexdigest()
+    monkeypatch.chdir(tmp_path)
+    assert train.main([*FINETUNE, '--init_from=hf:llama', '--data_dir=data', '--out_dir=out', '--max_iters=0']) == 0
+    assert load(tmp_path / 'out' / 'ckpt.pt')['init_from'] == f"hf:{tmp_path / 'llama'}"
+
+
 def test_sample_decodes_with_the_checkpoints_tokenizer(finetune, tok_dir, capsys):
     """sample.py decodes with the vocabulary in the checkpoint: the tokenizer's directory is gone by now."""
     out, _, _ = finetune
@@ -458,8 +494,8 @@ def test_shape_keys_are_read_as_gptconfig_reads_them(hf_dirs, model, flags, cont
             train.model_shape(cfg, argv)
     else:
         shape = train.model_shape(cfg, argv)
-        assert {k: shape[k] for k in ('head_dim', 'mlp_hidden')} == {'head_dim': 16, 'mlp_hidden': 192} \
-            if model == 'llama_gqa' else {'head_dim': 32, 'mlp_hidden': 96}
+        assert {k: shape[k] for k in ('head_dim', 'mlp_hidden')} == (
+            {'head_dim': 16, 'mlp_hidden': 192} if model == 'llama_gqa' else {'head_dim': 32, 'mlp_hidden': 96})
 
 
 def test_zero_init_proj_from_hf_weights_is_a_warning(hf_dirs, hf_data, tmp_path, capsys):
@@ -558,10 +594,12 @@ def test_hf_tokenizer_that_cannot_be_cut_is_refused(tmp_path):
 @pytest.mark.parametrize('files, eot', [
     ({'tokenizer_config.json': {'eos_token': {'content': '</s>', 'special': True}}}, 9),  # transformers' older form
     ({'config.json': {'eos_token_id': [7, 9]}}, 7),  # a list: the first
+    ({'tokenizer_config.json': {'eos_token': '</s>'}, 'config.json': {'eos_token_id': 7}}, 9),  # load_hf's order
     ({}, None),
-], ids=['config-eos-dict', 'model-eos-list', 'none'])
+], ids=['config-eos-dict', 'model-eos-list', 'tokenizer-config-over-model', 'none'])
 def test_hf_eos_token_and_vocab_size_of_a_model_directory(tmp_path, files, eot):
-    # Reference: the ids written into the tokenizer here, whose ids have gaps (2..6, 8): vocab_size is the top id + 1
+    # Reference: the ids written into the tokenizer here, whose ids have gaps (2..6, 8): vocab_size is the top id + 1;
+    # the eos token as load_hf documents it: tokenizer_config.json's (the tokenizer's own), else config.json's id
     tok = Tokenizer(models.WordLevel({'[UNK]': 0, 'hello': 1, 'cat': 7, '</s>': 9}, unk_token='[UNK]'))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / 'tokenizer.json'))
@@ -701,15 +739,6 @@ def test_export_bfloat16_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=re.escape("dtype='float64': expected 'float32', 'bfloat16' or 'float16'")):
         export.main([f'--out_dir={tmp_path}', '--dtype=float64', f'--hf_dir={tmp_path / "hf64"}'])
     assert not os.path.exists(tmp_path / 'hf64')
-    our_checkpoint(tmp_path / 'gelu.pt', seed=0, mlp='gelu')
-    with pytest.raises(ValueError, match="mlp='gelu': Llama and Qwen3 use SwiGLU"):
-        export.main([f'--out_dir={tmp_path}', '--ckpt=gelu.pt'])
-    our_checkpoint(tmp_path / 'capped.pt', seed=0, logit_softcap=15.0)  # transformers' Llama would not cap
-    with pytest.raises(ValueError, match="logit_softcap=15.0: Llama and Qwen3 do not cap their logits"):
-        export.main([f'--out_dir={tmp_path}', '--ckpt=capped.pt'])
-    our_checkpoint(tmp_path / 'x0.pt', seed=0, x0_mix=True)  # Llama's blocks read only the residual stream
-    with pytest.raises(ValueError, match="x0_mix=True: Llama and Qwen3 have no path"):
-        export.main([f'--out_dir={tmp_path}', '--ckpt=x0.pt'])
     # checkpoints that are not what train.py saves: a tensor missing (named), a compiled model's names, a
     # model_args key GPTConfig lacks
     ckpt = train.load_checkpoint(str(tmp_path / 'ckpt.pt'))
@@ -793,6 +822,128 @@ def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
     assert files(tmp_path / 'bpe') == before
 
 
+@pytest.mark.parametrize('dtype', ['float16', 'bfloat16'])
+def test_export_in_half_precision_is_our_weights_rounded(tmp_path, dtype):
+    # Reference: the weights of our model in memory, split by hand into Llama's tensors (the rows of q, k, v and of
+    # gate, up), each rounded to dtype; config.json's dtype as transformers reads it
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=0, n_kv_head=2, tie_embeddings=False)
+    export.main([f'--out_dir={tmp_path}', f'--dtype={dtype}'])
+    want = {'model.embed_tokens.weight': ours.wte.weight, 'model.norm.weight': ours.norm.weight,
+            'lm_head.weight': ours.lm_head.weight}
+    for i, b in enumerate(ours.blocks):
+        (q, k, v), (gate, up) = b.attn.qkv.weight.split([64, 32, 32]), b.mlp.up.weight.chunk(2)
+        want.update({f'model.layers.{i}.{name}': w for name, w in (
+            ('input_layernorm.weight', b.attn_norm.weight), ('self_attn.q_proj.weight', q),
+            ('self_attn.k_proj.weight', k), ('self_attn.v_proj.weight', v),
+            ('self_attn.o_proj.weight', b.attn.proj.weight), ('post_attention_layernorm.weight', b.mlp_norm.weight),
+            ('mlp.gate_proj.weight', gate), ('mlp.up_proj.weight', up), ('mlp.down_proj.weight', b.mlp.down.weight))})
+    tensors = load_file(tmp_path / 'hf' / 'model.safetensors')
+    assert tensors.keys() == want.keys()
+    for name, w in want.items():
+        assert tensors[name].dtype == getattr(torch, dtype), name
+        assert torch.equal(tensors[name], w.detach().to(getattr(torch, dtype))), name
+    assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['torch_dtype'] == dtype
+    assert transformers.AutoConfig.from_pretrained(tmp_path / 'hf').dtype == getattr(torch, dtype)
+
+
+def test_exports_transformers_cannot_express_are_refused_before_hf_dir_is_made(tmp_path):
+    # Reference: transformers' Llama and Qwen3, which gate their MLP with silu (SwiGLU), never cap their logits, and
+    # whose blocks read only the residual stream. Every other MLP that model.py offers (the list GPTConfig's message
+    # gives), a logit cap and x0_mix are refused, each before its own hf_dir is made
+    with pytest.raises(ValueError) as e:
+        GPTConfig(mlp='?')
+    mlps = re.findall(r"'(\w+)'", str(e.value).split('expected')[1])
+    assert 'swiglu' in mlps and len(mlps) > 2
+    refused = [(dict(mlp=mlp), f"mlp='{mlp}': Llama and Qwen3 use SwiGLU") for mlp in mlps if mlp != 'swiglu']
+    refused += [(dict(logit_softcap=15.0), "logit_softcap=15.0: Llama and Qwen3 do not cap their logits"),
+                (dict(x0_mix=True), "x0_mix=True: Llama and Qwen3 have no path")]
+    for i, (overrides, message) in enumerate(refused):
+        our_checkpoint(tmp_path / f'{i}.pt', seed=0, **overrides)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            export.main([f'--out_dir={tmp_path}', f'--ckpt={i}.pt', f'--hf_dir={tmp_path / f"hf{i}"}'])
+        assert not os.path.exists(tmp_path / f'hf{i}'), overrides
+
+
+def test_files_transformers_would_load_beside_an_export_are_refused(tmp_path):
+    # Reference: transformers' own names for what it reads from a model directory besides the files an export writes
+    # (index files, other weight formats, tokenizer files, shards), and train.py's char_vocab.json. Each, alone in a
+    # fresh hf_dir whose path has glob's special characters, is refused by an export that does not write it, and the
+    # directory keeps its bytes; so is a BPE export over a character-level one
+    u, tok = transformers.utils, transformers.tokenization_utils_base
+    read = {u.SAFE_WEIGHTS_INDEX_NAME, u.WEIGHTS_NAME, u.WEIGHTS_INDEX_NAME, tok.FULL_TOKENIZER_FILE,
+            tok.TOKENIZER_CONFIG_FILE, tok.SPECIAL_TOKENS_MAP_FILE, tok.ADDED_TOKENS_FILE, tok.CHAT_TEMPLATE_FILE,
+            tok.CHAT_TEMPLATE_DIR, 'char_vocab.json', 'model-00001-of-00002.safetensors'}
+    for slow in (transformers.LlamaTokenizer, transformers.GPT2Tokenizer):  # tokenizer.model; vocab.json, merges.txt
+        read.update(slow.vocab_files_names.values())
+    our_checkpoint(tmp_path / 'char.pt', seed=0)
+    our_checkpoint(tmp_path / 'bpe.pt', seed=0, meta=dict(tokenizer='cl100k_base', vocab_size=100277, eot_token=100257))
+    for i, name in enumerate(sorted(read | set(export.FOREIGN))):
+        hf = tmp_path / f'run[{i}]' / 'hf'
+        os.makedirs(hf)
+        (hf / name).write_text('{}')
+        ckpt = 'bpe.pt' if name == 'char_vocab.json' else 'char.pt'
+        with pytest.raises(ValueError, match=re.escape(f"hf_dir {hf} holds {name}, which this export does not write")):
+            export.main([f'--out_dir={tmp_path}', f'--ckpt={ckpt}', f'--hf_dir={hf}'])
+        assert files(hf) == {name: b'{}'}
+    export.main([f'--out_dir={tmp_path}', '--ckpt=char.pt'])
+    before = files(tmp_path / 'hf')
+    with pytest.raises(ValueError, match=re.escape(f"hf_dir {tmp_path / 'hf'} holds char_vocab.json, which")):
+        export.main([f'--out_dir={tmp_path}', '--ckpt=bpe.pt'])
+    assert files(tmp_path / 'hf') == before
+
+
+def test_a_file_that_is_not_a_train_py_checkpoint_is_one_line_naming_it(tmp_path):
+    # Reference: the entries train.py saves and export.py reads (model, model_args, meta): a .pt without them is one
+    # line naming the file and what it lacks, before hf_dir is made, not a KeyError's traceback
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=0)
+    train.save_checkpoint(str(tmp_path / 'weights.pt'), {'model': ours.state_dict()})
+    train.save_checkpoint(str(tmp_path / 'no_meta.pt'), {'model': ours.state_dict(),
+                                                         'model_args': ours.config.to_dict()})
+    with pytest.raises(ValueError) as e:
+        export.main([f'--out_dir={tmp_path}', '--ckpt=weights.pt'])
+    assert str(e.value) == f"{tmp_path / 'weights.pt'} is not a checkpoint of train.py: it lacks model_args, meta"
+    proc = subprocess.run([sys.executable, 'export.py', f'--out_dir={tmp_path}', '--ckpt=no_meta.pt'], cwd=HERE,
+                          capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        1, '', f"export.py: error: {tmp_path / 'no_meta.pt'} is not a checkpoint of train.py: it lacks meta\n")
+    assert not os.path.exists(tmp_path / 'hf')
+
+
+def test_export_stages_inside_hf_dir_and_writes_with_the_umask(tmp_path, monkeypatch):
+    # Reference: os.replace, which moves only within a file system: every file is moved in from a staging directory
+    # ('.export-*') of hf_dir itself, gone afterwards; and the process's umask (0o027: no one else may read), as open()
+    # applies it to the files written, the weights included (safetensors writes them 0o600)
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=0)
+    moved, replace = [], os.replace
+    monkeypatch.setattr(os, 'replace', lambda src, dst: (moved.append((src, dst)), replace(src, dst))[1])
+    umask = os.umask(0o027)
+    try:
+        export.main([f'--out_dir={tmp_path}'])
+    finally:
+        os.umask(umask)
+    hf = str(tmp_path / 'hf')
+    assert sorted(os.path.basename(dst) for _, dst in moved) == sorted(os.listdir(hf))
+    for src, dst in moved:
+        stage = os.path.dirname(src)
+        assert os.path.dirname(stage) == hf and os.path.basename(stage).startswith('.export-'), src
+        assert dst == os.path.join(hf, os.path.basename(src)) and not os.path.exists(stage)
+    assert {name: os.stat(os.path.join(hf, name)).st_mode & 0o777 for name in os.listdir(hf)} == dict.fromkeys(
+        os.listdir(hf), 0o640)
+
+
+def test_export_says_what_it_wrote(tmp_path, capsys):
+    # Reference: transformers' parameter count of the model it loads from the export (a tied head counted once; here
+    # twice would print 0.10M), and the checkpoint's iteration
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=0, mlp_hidden=128)
+    export.main([f'--out_dir={tmp_path}'])
+    n = hf_model(tmp_path / 'hf').num_parameters()
+    assert f'{(n + 128 * 64) / 1e6:.2f}' != f'{n / 1e6:.2f}'
+    iteration = load(tmp_path / 'ckpt.pt')['iter_num']
+    assert capsys.readouterr().out.splitlines()[0] == (f"wrote {tmp_path / 'hf'}: LlamaForCausalLM, {n / 1e6:.2f}M "
+                                                       f"parameters in float32 (from {tmp_path / 'ckpt.pt'}, "
+                                                       f"iteration {iteration})")
+
+
 def test_export_from_fp8_and_fsdp_state_dicts(tmp_path):
     """The state dicts that FP8 training (torchao's Float8Linear in place of nn.Linear) and FSDP2 (sharded
     DTensor parameters, gathered by train.py's save) produce are plain and name-keyed: they export as is.
@@ -839,8 +990,12 @@ def test_export_writes_tiktoken_as_a_transformers_tokenizer(tmp_path):
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == enc.encode(text, allowed_special='all')
     assert tok.decode(ids) == text
-    config = json.loads((tmp_path / 'hf' / 'generation_config.json').read_text())
-    assert config['eos_token_id'] == enc.eot_token
+    # the eos id where transformers' generate() and its config look for it; no bos (tiktoken's encodings have none)
+    config, generation = (json.loads((tmp_path / 'hf' / name).read_text())
+                          for name in ('config.json', 'generation_config.json'))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path / 'hf')
+    assert config['eos_token_id'] == generation['eos_token_id'] == theirs.eos_token_id == enc.eot_token
+    assert config['bos_token_id'] is None and theirs.bos_token_id is None
 
 
 def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
@@ -874,4 +1029,6 @@ def test_export_of_an_hf_tokenizer_without_its_config_names_the_eos_token(tmp_pa
     export.main([f'--out_dir={tmp_path}'])
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
     assert (theirs.eos_token, theirs.eos_token_id, theirs.model_max_length) == ('<eos>', 1, 48)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / 'hf')
+    assert (config.eos_token_id, config.bos_token_id) == (theirs.eos_token_id, None)
     assert theirs.encode('a b a', add_special_tokens=False) == [2, 3, 2]
