@@ -9,6 +9,7 @@ import builtins
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -91,10 +92,14 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
     # the figure's curves are the files' records: by iteration (with the run's name), by tokens, lr, tokens/s
     by_iter, by_tokens, lr, speed = figures[0].axes
     for run, records in ((a, RECORDS), (b, other)):
-        evals = [r for r in records if 'val_loss' in r]
-        assert line_data(by_iter, f'{run}: val_loss') == ([r['iter'] for r in evals], [r['val_loss'] for r in evals])
+        for field in plot.LOSSES:  # each loss curve by iteration, and by tokens (found by its values) in its color
+            rows = [r for r in records if field in r]
+            [it] = [ln for ln in by_iter.lines if ln.get_label() == f'{run}: {field}']
+            assert (list(it.get_xdata()), list(it.get_ydata())) == ([r['iter'] for r in rows], [r[field] for r in rows])
+            known = [r for r in rows if 'tokens' in r]
+            [tok] = [ln for ln in by_tokens.lines if list(ln.get_ydata()) == [r[field] for r in known]]
+            assert list(tok.get_xdata()) == [r['tokens'] for r in known] and tok.get_color() == it.get_color(), field
         trains = [r for r in records if 'loss' in r]
-        assert line_data(by_iter, f'{run}: loss') == ([r['iter'] for r in trains], [r['loss'] for r in trains])
         assert line_data(lr, run) == ([r['iter'] for r in trains], [r['lr'] for r in trains])
         assert line_data(speed, run) == ([r['iter'] for r in trains], [r['tokens_per_sec'] for r in trains])
     # each run in one color of its own, in every panel
@@ -104,6 +109,18 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
     assert [ax.get_xlabel() for ax in figures[0].axes] == ['iteration', 'tokens', 'iteration', 'iteration']
     tokens_lines = {tuple(ln.get_ydata()): list(ln.get_xdata()) for ln in by_tokens.lines}
     assert tokens_lines[(3.71, 3.45)] == [0, 64] and tokens_lines[(3.69, 3.5)] == [32, 64]  # no tokens: left out
+    # the legend: each run's loss fields, by the run's normalised name (b was given as b/)
+    assert [t.get_text() for t in by_iter.get_legend().get_texts()] == \
+        [f'{os.path.normpath(run)}: {field}' for run in (a, b) for field in ('loss', 'train_loss', 'val_loss')]
+
+
+def test_a_single_evaluation_is_drawn_as_visible_points(tmp_path):
+    # Reference: matplotlib draws a line through one point as nothing unless it has a marker: each evaluation
+    # curve of a run with one evaluation has one, of a size above 0, by iteration and by tokens
+    fig = plot.draw({'run': RECORDS[:1]}, str(tmp_path / 'one.png'))
+    lines = fig.axes[0].lines + fig.axes[1].lines
+    assert sorted(list(ln.get_ydata()) for ln in lines) == [[3.7], [3.7], [3.71], [3.71]]
+    assert all(ln.get_marker() not in ('None', 'none', '', ' ', None) and ln.get_markersize() > 0 for ln in lines)
 
 
 def test_missing_or_empty_metrics_are_errors_naming_them(tmp_path, capsys):
@@ -134,6 +151,40 @@ def test_missing_or_empty_metrics_are_errors_naming_them(tmp_path, capsys):
             f.write(json.dumps(RECORDS[0]) + '\n' + line + '\n')
         with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2: not a record of train\.py"):
             plot.read_metrics(odd)
+
+
+def test_a_json_string_holding_bytes_that_are_not_utf8_is_not_a_record(tmp_path):
+    # Reference: json.loads of the line's bytes, which refuses them (RFC 8259: JSON text is UTF-8); read as text with
+    # U+FFFD in their place, the line would pass as a record. A bad line inside the file, not a last line being written
+    odd = write_metrics(tmp_path / 'odd', [])
+    bad = b'{"iter": 1, "note": "caf\xe9"}\n'
+    with pytest.raises(ValueError):
+        json.loads(bad)
+    with open(os.path.join(odd, 'metrics.jsonl'), 'wb') as f:
+        f.write(json.dumps(RECORDS[0]).encode() + b'\n' + bad + json.dumps(RECORDS[1]).encode() + b'\n')
+    message = f"{os.path.join(odd, 'metrics.jsonl')}, line 2: not a JSON record: {bad.decode('utf-8', 'replace')!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plot.read_metrics(odd)
+
+
+def test_metrics_that_cannot_be_read_are_an_error_naming_them_and_training_goes_on(tmp_path, monkeypatch):
+    # Reference: the errno's own words (os.strerror); plot's open refuses metrics.jsonl, as chmod cannot for root.
+    # The error was a PermissionError traceback out of plot.read_metrics, and out of train.py's drawing
+    refused, real_open = [], builtins.open
+
+    def refusing_open(path, mode='r', *args, **kwargs):
+        if os.path.basename(path) == 'metrics.jsonl' and mode == 'rb':
+            refused.append(path)
+            raise PermissionError(13, os.strerror(13))
+        return real_open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(plot, 'open', refusing_open, raising=False)
+    good = write_metrics(tmp_path / 'good', RECORDS)
+    with pytest.raises(ValueError, match=re.escape(f"{os.path.join(good, 'metrics.jsonl')} cannot be read: "
+                                                   f"{os.strerror(13)}")):
+        plot.read_metrics(good)
+    data, out = tiny_data(tmp_path), tmp_path / 'out'
+    assert train.main(TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=2']) == 0
+    assert len(refused) == 2 and read_metrics(out)[-1]['iter'] == 2 and not (out / 'metrics.png').exists()
 
 
 def test_cli_errors_name_what_the_user_gave(tmp_path, capsys):
@@ -252,6 +303,25 @@ def test_train_imports_wandb_only_when_wandb_log_is_on(tmp_path, monkeypatch):
     data, out = tiny_data(tmp_path), tmp_path / 'out'
     assert train.main(TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=2']) == 0
     assert 'plot' in imported and not [name for name in imported if name.split('.')[0] == 'wandb']
+
+
+def test_plot_and_a_training_run_work_without_matplotlib(tmp_path):
+    # Reference: the records of metrics.jsonl as written (RECORDS) and as read here with json; matplotlib made
+    # unimportable (None in sys.modules), as where it is not installed: plot imports and reads without it, and the
+    # run's drawing is one warning (train.py imports plot outside its try block)
+    data, out, good = tiny_data(tmp_path), tmp_path / 'out', write_metrics(tmp_path / 'good', RECORDS)
+    flags = TINY + [f'--data_dir={data}', f'--out_dir={out}', '--eval_interval=2', '--max_iters=2']
+    blocked = ['matplotlib', 'matplotlib.pyplot', 'matplotlib.figure', 'matplotlib.backends',
+               'matplotlib.backends.backend_agg', 'matplotlib.backend_bases']
+    proc = run_python(f"import sys\nsys.modules.update(dict.fromkeys({blocked!r}))\nimport plot, train\n"
+                      f"assert plot.read_metrics({good!r}) == {RECORDS!r}\nassert train.main({flags!r}) == 0\n"
+                      f"print(plot.read_metrics({str(out)!r}))")
+    warnings = [ln for ln in proc.stderr.splitlines() if 'could not draw' in ln]
+    assert warnings == [f"warning: could not draw {out / 'metrics.png'} (ModuleNotFoundError: import of matplotlib."
+                        f"backends.backend_agg halted; None in sys.modules); training goes on"], proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert [(r['iter'], 'val_loss' in r) for r in records] == [(0, True), (1, False), (2, False), (2, True)]
+    assert proc.stdout.splitlines()[-1] == repr(records) and not (out / 'metrics.png').exists()
 
 
 def read_wandb_records(path):

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import runpy
 import subprocess
 import sys
 import time as time_module
@@ -916,6 +917,15 @@ def test_unknown_key_suggests_the_closest():
         configure(train.DEFAULTS, ['--n_layers=2'])
 
 
+@pytest.mark.parametrize('typo, key', [('dropout_rate', 'dropout'), ('warmup', 'warmup_iters'),
+                                       ('weight_decay_rate', 'weight_decay'), ('iters', 'max_iters')])
+def test_unknown_key_suggests_the_intended_key_for_realistic_typos(typo, key):
+    # Reference: the key each typo means, by hand (each within difflib's default cutoff of 0.6, none within 0.9)
+    with pytest.raises(ConfigError, match=re.escape(f"unknown config key '{typo}' in flag '--{typo}=1'; "
+                                                    f"did you mean '{key}'?")):
+        configure(train.DEFAULTS, [f'--{typo}=1'])
+
+
 def test_unknown_key_in_config_file(tmp_path):
     # Reference: the misspelled key in the file and its closest real key, and the file's name.
     path = tmp_path / 'cfg.py'
@@ -925,20 +935,22 @@ def test_unknown_key_in_config_file(tmp_path):
     assert "'batch_sise'" in str(e.value) and "'batch_size'" in str(e.value) and 'cfg.py' in str(e.value)
 
 
-@pytest.mark.parametrize('arg, key, value, expected', [
-    ('--batch_size=abc', 'batch_size', 'abc', 'int'),
-    ('--compile=1', 'compile', '1', 'bool'),
-    ('--learning_rate=fast', 'learning_rate', 'fast', 'float'),
-    ('--batch_size=1.5', 'batch_size', '1.5', 'int'),
-    ('--dropout=True', 'dropout', 'True', 'float'),  # a bool is not a number here
-    ('--batch_size=True', 'batch_size', 'True', 'int'),  # nor an int (though bool subclasses int)
+@pytest.mark.parametrize('arg, key, got, expected', [
+    ('--batch_size=abc', 'batch_size', "'abc' (str)", 'int'),
+    ('--compile=1', 'compile', '1 (int)', 'bool'),
+    ('--learning_rate=fast', 'learning_rate', "'fast' (str)", 'float'),
+    ('--batch_size=1.5', 'batch_size', '1.5 (float)', 'int'),
+    ('--dropout=True', 'dropout', 'True (bool)', 'float'),  # a bool is not a number here
+    ('--batch_size=True', 'batch_size', 'True (bool)', 'int'),  # nor an int (though bool subclasses int)
 ])
-def test_wrong_type_names_key_value_and_type(arg, key, value, expected):
-    # Reference: the flag's key, its value and the type of the key's default.
+def test_wrong_type_names_key_value_and_type(arg, key, got, expected):
+    # Reference: the flag's key, its value as Python reads it (by hand) and the type of the key's default, in one
+    # message (the flag alone holds the key and the value: a message of the flag only passed `key in msg`)
+    hint = ': write True or False' if expected == 'bool' else ''
     with pytest.raises(ConfigError) as e:
         configure(train.DEFAULTS, [arg])
-    msg = str(e.value)
-    assert key in msg and value in msg and expected in msg
+    assert str(e.value) == (f"config key '{key}' in flag '{arg}': got {got}, expected {expected} "
+                            f"(default {train.DEFAULTS[key]!r}){hint}")
 
 
 @pytest.mark.parametrize('flag', ['--help', '-h'])
@@ -971,6 +983,7 @@ def test_help_shows_the_comment_beside_each_default(tmp_path, capsys):
 \"\"\"a = 9  # not code: a docstring\"\"\"
 a = 1          # the first
                # and its second line
+               # and its third
 b = 'x'        # one line
 # a section heading
 c = 2.0
@@ -983,11 +996,12 @@ d = dict(
 a = 7          # a later assignment: not a's comment
 """)
     assert key_comments(str(src)) == {
-        'a': 'the first and its second line', 'b': 'one line', 'e': 'inside dict(...), continued',
+        'a': 'the first and its second line and its third', 'b': 'one line', 'e': 'inside dict(...), continued',
         'f': 'two keys, one comment', 'g': 'two keys, one comment'}
     with pytest.raises(SystemExit):
         configure({'a': 1, 'c': 2.0}, ['--help'], str(src))
-    assert capsys.readouterr().out.splitlines()[1:] == ["  a = 1  # the first and its second line", "  c = 2.0"]
+    assert capsys.readouterr().out.splitlines()[1:] == ["  a = 1  # the first and its second line and its third",
+                                                     "  c = 2.0"]
     with pytest.raises(SystemExit):
         train.main(['-h'])
     lines = capsys.readouterr().out.splitlines()
@@ -1010,11 +1024,21 @@ def test_config_file_that_is_a_directory_or_not_utf8(tmp_path):
 
 
 def test_wrong_type_in_config_file(tmp_path):
-    # Reference: the key, the value and the default's type, as for flags.
+    # Reference: the key, the value and the default's type, as for flags, and the file that set it, by hand
     path = tmp_path / 'cfg.py'
     path.write_text("batch_size = 'big'\n")
-    with pytest.raises(ConfigError, match=r"batch_size.*'big'.*int"):
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'batch_size' in config file '{path}': got 'big' "
+                                                    f"(str), expected int (default {train.DEFAULTS['batch_size']!r})")):
         configure(train.DEFAULTS, [str(path)])
+
+
+def test_a_key_set_twice_in_a_config_file_takes_the_last_value(tmp_path):
+    # Reference: Python's own run of the file (runpy), where the later assignment wins
+    path = tmp_path / 'cfg.py'
+    path.write_text("n_layer = 3\nbatch_size = 5\nn_layer = 4\n")
+    ran = runpy.run_path(str(path))
+    cfg = configure(train.DEFAULTS, [str(path)])
+    assert (cfg['n_layer'], cfg['batch_size']) == (ran['n_layer'], ran['batch_size']) == (4, 5)
 
 
 def test_int_accepted_for_float(tmp_path):
