@@ -11,9 +11,10 @@ The export directory loads with transformers.AutoModelForCausalLM.from_pretraine
 config.json, model.safetensors (the safetensors library), generation_config.json, and the tokenizer where
 transformers can express it: tokenizer.json and tokenizer_config.json for tiktoken BPE (gpt2, cl100k_base,
 converted here) and for a Hugging Face tokenizer the data was prepared with (copied from the checkpoint's
-meta). A character-level vocabulary has no transformers tokenizer: the export says so and writes
-char_vocab.json (the characters, in id order) instead. A directory that holds files transformers would read
-beside these (another export's tokenizer, sharded weights: FOREIGN) is refused, never mixed with this export.
+meta, with its chat_template.jinja where it had one). A character-level vocabulary has no transformers
+tokenizer: the export says so and writes char_vocab.json (the characters, in id order) instead. A directory
+that holds files transformers would read beside these (another export's tokenizer, sharded weights: FOREIGN)
+is refused, never mixed with this export.
 An export that fails (a full disk, a tokenizer that cannot be had) leaves the directory as it was: the files are
 written apart, then moved in.
 
@@ -272,13 +273,17 @@ def write_tokenizer(meta, hf_dir, max_len):
     if name.startswith('hf:'):
         with open(os.path.join(hf_dir, 'tokenizer.json'), 'w', encoding='utf-8') as f:
             f.write(meta['tokenizer_json'])
-        if meta.get('tokenizer_config'):  # as it came with the tokenizer (chat template, special tokens)
-            with open(os.path.join(hf_dir, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
-                f.write(meta['tokenizer_config'])
-            return f"tokenizer: copied from {name} (tokenizer.json, tokenizer_config.json)"
+        copied = ['tokenizer.json']
+        for key, file in (('chat_template', 'chat_template.jinja'), ('tokenizer_config', 'tokenizer_config.json')):
+            if meta.get(key):  # as they came with the tokenizer (a chat template, special tokens)
+                with open(os.path.join(hf_dir, file), 'w', encoding='utf-8') as f:
+                    f.write(meta[key])
+                copied.append(file)
+        if meta.get('tokenizer_config'):
+            return f"tokenizer: copied from {name} ({', '.join(copied)})"
         eos = None if eot is None else json.loads(meta['tokenizer_json'])
         eos = next((t['content'] for t in (eos or {}).get('added_tokens', []) if t['id'] == eot), None)
-        note = f"tokenizer: copied from {name} (tokenizer.json)"
+        note = f"tokenizer: copied from {name} ({', '.join(copied)})"
     else:
         from prepare_data import load_bpe
         enc = load_bpe(name)
@@ -318,7 +323,8 @@ def export(ckpt_path, hf_dir, dtype='float32'):
     config = hf_config(c, meta.get('eot_token'), dtype)
     tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in to_hf(ckpt['model'], c).items()}
     probe_out_dir(hf_dir, 'hf_dir')  # made and probed: a one-line error naming it
-    ours = {'char_vocab.json'} if meta['tokenizer'] == 'char' else {'tokenizer.json', 'tokenizer_config.json'}
+    ours = ({'char_vocab.json'} if meta['tokenizer'] == 'char' else {'tokenizer.json', 'tokenizer_config.json'}
+            | ({'chat_template.jinja'} if meta.get('chat_template') else set()))
     stale = [n for n in FOREIGN if n not in ours and os.path.exists(os.path.join(hf_dir, n))]
     stale += sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(hf_dir), 'model-*.safetensors')))
     if stale:

@@ -24,7 +24,8 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
 - meta.json: tokenizer, vocab_size, dtype, train_tokens, val_tokens, val_fraction, sources, text_field
   (when records were read), and chars (char) or eot_token (BPE, appended after each document: a text
   file or a record; an hf tokenizer's eos token, if it has one). hf:PATH adds tokenizer_sha256 (of
-  tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json if PATH has one),
+  tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json and chat_template.jinja
+  if PATH has them),
   so that meta.json, and every checkpoint that copies it, decodes without PATH. get_tokenizer(meta) ->
   encode, decode.
 - Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
@@ -394,6 +395,12 @@ def load_hf(path):
         eos = enc.tokenizer.token_to_id(eos) if eos else None
         with open(file, encoding='utf-8') as f:  # as it came (a chat template, special tokens): export.py copies it
             fields['tokenizer_config'] = f.read()
+    if os.path.exists(file := os.path.join(folder, 'chat_template.jinja')):  # transformers 5 keeps it apart
+        try:
+            with open(file, encoding='utf-8') as f:
+                fields['chat_template'] = f.read()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {file}: {e}") from None
     if eos is None and os.path.exists(file := os.path.join(folder, 'config.json')):
         config = read_json(file)
         eos = config.get('eos_token_id') if isinstance(config, dict) else None

@@ -1018,6 +1018,26 @@ def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
         torch.testing.assert_close(ours.eval()(ids)[0], theirs(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_a_chat_template_kept_apart_travels_from_the_model_directory_to_the_export(tok_dir, tmp_path):
+    # Reference: transformers' tokenizer of the original directory, whose chat template sits in chat_template.jinja
+    # (as transformers 5 saves it): the export's tokenizer has the same template and renders a chat the same; a
+    # second export into the same hf_dir is this export's own file, not a stale one
+    src = tmp_path / 'model'
+    shutil.copytree(tok_dir, src)
+    (src / 'chat_template.jinja').write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                                             "{% endfor %}", encoding='utf-8')
+    enc, fields = prepare_data.load_hf(str(src))
+    meta = dict(tokenizer=f'hf:{src}', vocab_size=enc.n_vocab, eot_token=enc.eot_token, **fields)
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=0, meta=meta)
+    for _ in range(2):
+        lines = export.export(str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'))
+    assert 'tokenizer.json, chat_template.jinja, tokenizer_config.json' in '\n'.join(lines)
+    want, got = (transformers.AutoTokenizer.from_pretrained(d) for d in (src, tmp_path / 'hf'))
+    chat = [dict(role='user', content='to be'), dict(role='assistant', content='or not')]
+    assert want.chat_template and got.chat_template == want.chat_template
+    assert got.apply_chat_template(chat, tokenize=False) == want.apply_chat_template(chat, tokenize=False)
+
+
 def test_export_of_an_hf_tokenizer_without_its_config_names_the_eos_token(tmp_path):
     # Reference: the checkpoint's eot id and the token it stands for in tokenizer.json ('<eos>', id 1, after
     # another special token), and the block size: transformers' tokenizer of the export must have them.
