@@ -1460,12 +1460,16 @@ def test_sample_errors_name_the_device_the_checkpoint_and_the_tokenizer(data, tm
                                                          "could not be loaded")):
         sample.main([*base, '--ckpt=bpe.pt'])
     monkeypatch.undo()
-    # checkpoints train.py does not write: a model_args key model.py lacks, a compiled model's weight names (as
-    # export.py says them; they were tracebacks)
+    # checkpoints train.py does not write: a model_args key model.py lacks, a shape GPTConfig refuses, a compiled
+    # model's weight names (as export.py says them; they were tracebacks)
     torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'bias': True}}, out / 'unknown.pt')
     with pytest.raises(train.TrainError, match=re.escape(f"{out}/unknown.pt: its model_args do not make a model.py "
                                                          "config: ") + ".*'bias'"):
         sample.main([*base, '--ckpt=unknown.pt'])
+    torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'n_head': 5, 'head_dim': 0}}, out / 'shape.pt')
+    with pytest.raises(train.TrainError, match=re.escape(f"{out}/shape.pt: its model_args do not make a model.py "
+                                                         "config: GPTConfig: n_embd=16 is not divisible by n_head=5")):
+        sample.main([*base, '--ckpt=shape.pt'])
     torch.save({**ckpt, 'model': {f'_orig_mod.{k}': v for k, v in ckpt['model'].items()}}, out / 'compiled.pt')
     with pytest.raises(train.TrainError, match=re.escape(f"{out}/compiled.pt: its weights do not fit its model_args "
                                                          "(its names start with _orig_mod.: saved from a compiled "

@@ -283,6 +283,23 @@ def test_generate_greedy_with_cache_past_block_size(n_kv_head, qk_norm):
     assert torch.equal(model.generate(prompt, 30, temperature=1.0, top_k=1), want)
 
 
+def test_generate_keeps_the_callers_mode_and_decodes_without_dropout():
+    # Reference: greedy_reference on the model in eval mode (dropout off). A model in train mode with dropout=0.5
+    # generates exactly that, twice (dropout left on would draw other tokens), and is in train mode after; a model
+    # in eval mode stays in eval mode.
+    model = tiny_model(dropout=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    prompt = torch.randint(32, (2, 3), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = greedy_reference(model.eval(), prompt, 10)
+    assert torch.equal(model.generate(prompt, 10, temperature=0), want) and not model.training
+    model.train()
+    for _ in range(2):
+        assert torch.equal(model.generate(prompt, 10, temperature=0), want) and model.training
+
+
 @pytest.mark.parametrize('prompt_len, steps', [(5, 30), (1, 15), (16, 3)])  # past B; up to B; a prefill of B
 def test_generate_uses_the_kv_cache_while_the_sequence_fits(monkeypatch, prompt_len, steps):
     # Reference: the calls generate() must make, derived from block_size B and the prompt length P: one prefill
@@ -356,6 +373,14 @@ def test_top_k_one_is_greedy_and_top_k_stays_in_top_k():
             assert token in sorted(range(50), key=lambda i: -row[i])[:3]
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    # Reference: transformers' TopKLogitsWarper, which removes only the logits below the k-th largest: with three
+    # tied largest logits and top_k=2, all three are kept, each drawn a third of the time (assert_frequencies)
+    logits = torch.tensor([3.0, 3.0, 3.0, 0.0, -1.0]).repeat(6000, 1)
+    samples = sample_next(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(0)).squeeze(1)
+    assert_frequencies(samples, [1 / 3, 1 / 3, 1 / 3, 0.0, 0.0])
+
+
 @pytest.mark.parametrize('temperature', [1e-37, 1e-40, 1e-300])
 def test_a_tiny_temperature_samples_the_largest_logits(temperature):
     # Reference: the limit of softmax(logits / t) as t goes to 0: the argmax, or an even draw among tied largest
@@ -424,6 +449,23 @@ def test_top_p_applies_to_the_tempered_top_k_distribution(temperature, top_k, to
     logits = torch.tensor(probs).log().repeat(n, 1)
     samples = sample_next(logits, temperature, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
     assert_frequencies(samples.squeeze(1), want)
+
+
+def test_generate_samples_from_float32_logits_under_bf16_autocast():
+    # Reference: sample_next called here on the model's bf16 logits converted to float32, with the same seed: under
+    # CPU bf16 autocast each of 2048 rows draws the same token (top_p=0.9 on bf16 logits, whose softmax and running
+    # sums round to bf16, keeps another nucleus in some rows: seen in 21 of them)
+    model = tiny_model(vocab_size=512, n_embd=64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    idx = torch.randint(512, (2048, 5), generator=torch.Generator().manual_seed(1))
+    with torch.autocast('cpu', dtype=torch.bfloat16), torch.no_grad():
+        got = model.generate(idx, 1, temperature=0.7, top_p=0.9, generator=torch.Generator().manual_seed(0))
+        logits = model(idx)[0][:, -1]
+    assert logits.dtype == torch.bfloat16
+    want = sample_next(logits.float(), 0.7, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got[:, -1:], want)
 
 
 def test_vocab_limit_masks_padding_ids():
@@ -1253,7 +1295,8 @@ def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, 
     # the command line. sample.py at --temperature=0, at --top_k=1 and at a --top_p below any token's probability
     # must print the greedy text; plain sampling at temperature 1 must not (the fresh model is near-uniform over
     # its 32 ids), so settings that never reached generate would fail. The values reach generate as given
-    # (top_k=0: off).
+    # (top_k=0: off), and without flags the defaults sample.py documents do (temperature 0.8, top_k 200; top_p
+    # 1.0: off).
     import sample
     model = tiny_model().eval()
     chars = ''.join(chr(0x100 + i) for i in range(32))
@@ -1281,9 +1324,10 @@ def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, 
     assert run('--temperature=1.0', '--top_k=0', '--top_p=0.001') == greedy_text
     assert run('--temperature=1.0', '--top_k=0') != greedy_text
     run('--temperature=0.7', '--top_k=5', '--top_p=0.9')
+    run()
     assert seen == [dict(temperature=0.0, top_k=200, top_p=1.0), dict(temperature=1.0, top_k=1, top_p=1.0),
                     dict(temperature=1.0, top_k=None, top_p=0.001), dict(temperature=1.0, top_k=None, top_p=1.0),
-                    dict(temperature=0.7, top_k=5, top_p=0.9)]
+                    dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=0.8, top_k=200, top_p=1.0)]
 
 
 def sample_checkpoint(path):
@@ -1324,6 +1368,11 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
     assert sampled[0] == sampled[1] != sampled[2]
     with pytest.raises(ConfigError, match=re.escape(f"--start=FILE:{tmp_path / 'none.txt'}: cannot read ")):
         run(f'--start=FILE:{tmp_path / "none.txt"}')
+    latin1 = tmp_path / 'latin1.txt'
+    latin1.write_bytes(b'\xe9')  # not UTF-8: the codec's UnicodeDecodeError, a ValueError
+    with pytest.raises(ConfigError, match=re.escape(f"--start=FILE:{latin1}: cannot read {latin1} ('utf-8' codec "
+                                                    "can't decode byte 0xe9")):
+        run(f'--start=FILE:{latin1}')
     # a file's line ends are the prompt's, as prepare_data.py reads text (bytes as they are): a model of text with
     # '\r\n' is prompted with '\r\n', not '\n'
     train.save_checkpoint(str(tmp_path / 'crlf.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
@@ -1334,6 +1383,39 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
         f'{chars[5]}\r\n{chars[6]}\r\r\n' + separator
 
 
+def test_sample_draws_each_sample_on_its_own_as_one_batch(tmp_path, capsys):
+    # Reference: GPT.generate called here as sample.py documents its samples, one batch of the prompt repeated
+    # num_samples times, with the seed's generator; at temperature 1 over a near-uniform 32 ids, 4 rows of 8 tokens
+    # are pairwise distinct (samples that shared one draw would be 4 copies of one row)
+    import sample
+    model, chars = sample_checkpoint(tmp_path)
+    prompt = torch.tensor([[3, 4, 5]])
+    want = model.generate(prompt.repeat(4, 1), 8, temperature=1.0, vocab_limit=32,
+                          generator=torch.Generator().manual_seed(5)).tolist()
+    assert len({tuple(row) for row in want}) == 4
+    sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', '--num_samples=4', '--max_new_tokens=8',
+                 '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}'])
+    assert capsys.readouterr().out == ''.join(''.join(chars[i] for i in row) + '\n' + '-' * 80 + '\n' for row in want)
+
+
+def test_sample_generates_under_the_autocast_of_its_dtype(tmp_path, monkeypatch):
+    # Reference: torch's own autocast state (torch.is_autocast_enabled / get_autocast_dtype) seen inside
+    # GPT.generate: --dtype=bfloat16 on the CPU samples under CPU bf16 autocast, --dtype=float32 without
+    import sample
+    sample_checkpoint(tmp_path)
+    seen, generate = [], GPT.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu')))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, 'generate', spy)
+    for dtype in ('bfloat16', 'float32'):
+        sample.main([f'--out_dir={tmp_path}', '--device=cpu', f'--dtype={dtype}', '--num_samples=1',
+                     '--max_new_tokens=2', '--start=\u0103'])
+    assert seen[0] == (True, torch.bfloat16) and seen[1][0] is False, seen
+
+
 @pytest.mark.parametrize('flag, message', [
     ('--num_samples=0', 'num_samples=0 is out of range'), ('--max_new_tokens=-1', 'max_new_tokens=-1 is out of range'),
     ('--temperature=-0.5', 'temperature=-0.5 is out of range'), ('--top_k=-1', 'top_k=-1 is out of range'),
@@ -1341,6 +1423,7 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
     ('--start=', '--start is empty'),
     ('--temperature=1e39', 'temperature=1e+39 is out of range'),  # inf in float32: a sampling traceback
     ('--seed=-1', 'seed=-1 is out of range'), ('--seed=9223372036854775808', 'seed=9223372036854775808 is out'),
+    ('--start=xyz', "--start: characters not in the dataset's vocabulary: 'xyz'"),  # the encoder's ValueError
 ])
 def test_sample_settings_out_of_range_are_config_errors_naming_them(tmp_path, flag, message):
     # Reference: the messages; a ConfigError is sample.py's one-line error, a ValueError from sample_next a traceback
@@ -1596,7 +1679,7 @@ def test_zero_init_proj_starts_each_block_as_the_identity():
 
 @pytest.mark.parametrize('tie', [True, False])
 def test_init_scales_the_residual_projections_by_depth(tie):
-    # Reference: GPT-2's init (nanoGPT's): every Linear and Embedding weight N(0, 0.02), but the two projections
+    # Reference: GPT-2's init: every Linear and Embedding weight N(0, 0.02), but the two projections
     # into the residual stream (attn.proj, mlp.down) N(0, 0.02 / sqrt(2 n_layer)), 0.02 / 4 at 8 layers; the
     # norms' gains 1. Each matrix has >= 16k entries: its sample std is off by ~0.5%; 10% is allowed, 4x is not.
     n_layer = 8
