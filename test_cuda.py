@@ -1142,6 +1142,36 @@ def test_sample_from_an_fp8_checkpoint(tmp_path, gpu_data):
 
 
 @gpu
+def test_sample_on_cuda_prints_the_cpus_greedy_text_and_seeds_its_draws(tmp_path, capsys):
+    # Reference: greedy decoding on the CPU by GPT.generate, float32, from the same checkpoint: sample.py on CUDA
+    # prints the same text (its model and cache moved to the device). At temperature 1 the same seed prints the same
+    # text and another seed another (its generator on the device: CUDA's multinomial refuses a CPU one).
+    import sample
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=32, block_size=16)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)  # far from uniform, so that CUDA's rounding cannot change an argmax (checked below)
+    chars = ''.join(chr(0x100 + i) for i in range(32))
+    train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
+                                                      'meta': dict(tokenizer='char', vocab_size=32, chars=chars)})
+    ids = model.generate(torch.zeros(1, 1, dtype=torch.long), 12, temperature=0)
+    with torch.no_grad():
+        top2 = model(ids[:, :-1])[0][0].topk(2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-2  # every greedy choice by a clear margin
+    greedy = ''.join(chars[i] for i in ids[0].tolist())
+
+    def run(*flags):
+        capsys.readouterr()
+        sample.main([f'--out_dir={tmp_path}', '--device=cuda', '--dtype=float32', '--num_samples=1',
+                     '--max_new_tokens=12', f'--start={chars[0]}', *flags])
+        return capsys.readouterr().out
+    assert run('--temperature=0') == greedy + '\n' + '-' * 80 + '\n'
+    drawn = [run('--temperature=1', '--top_k=0', f'--seed={seed}') for seed in (1, 1, 2)]
+    assert drawn[0] == drawn[1] != drawn[2], drawn
+
+
+@gpu
 def test_rmsnorm_of_bf16_input_with_a_float32_weight_on_the_gpu():
     # Reference: the formula in float64 on the bf16 input, as test_train.py's CPU test has it
     # (conftest.assert_rmsnorm_rounded_once). What autocast_residual feeds the norms (and qk_norm always: a
