@@ -279,11 +279,11 @@ def write_tokenizer(meta, hf_dir, max_len):
                 with open(os.path.join(hf_dir, file), 'w', encoding='utf-8') as f:
                     f.write(meta[key])
                 copied.append(file)
+        note = f"tokenizer: copied from {name} ({', '.join(copied)})"
         if meta.get('tokenizer_config'):
-            return f"tokenizer: copied from {name} ({', '.join(copied)})"
+            return note
         eos = None if eot is None else json.loads(meta['tokenizer_json'])
         eos = next((t['content'] for t in (eos or {}).get('added_tokens', []) if t['id'] == eot), None)
-        note = f"tokenizer: copied from {name} ({', '.join(copied)})"
     else:
         from prepare_data import load_bpe
         enc = load_bpe(name)

@@ -364,12 +364,21 @@ class HFTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def read_json(path):
-    """A JSON file's value, or a ValueError naming the file (missing, unreadable, not UTF-8, not JSON)."""
+def read_text(path):
+    """A UTF-8 file's text, or a ValueError naming the file (missing, unreadable, not UTF-8)."""
     try:
         with open(path, encoding='utf-8') as f:
-            return json.load(f)
+            return f.read()
     except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def read_json(path):
+    """A JSON file's value, or a ValueError naming the file (missing, unreadable, not UTF-8, not JSON)."""
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except ValueError as e:
         raise ValueError(f"cannot read {path}: {e}") from None
 
 
@@ -393,14 +402,9 @@ def load_hf(path):
         if eos is not None and not isinstance(eos, str):
             raise ValueError(f"{file}: eos_token={eos!r} is not a token's text")
         eos = enc.tokenizer.token_to_id(eos) if eos else None
-        with open(file, encoding='utf-8') as f:  # as it came (a chat template, special tokens): export.py copies it
-            fields['tokenizer_config'] = f.read()
+        fields['tokenizer_config'] = read_text(file)  # as it came (chat template, special tokens): export.py copies it
     if os.path.exists(file := os.path.join(folder, 'chat_template.jinja')):  # transformers 5 keeps it apart
-        try:
-            with open(file, encoding='utf-8') as f:
-                fields['chat_template'] = f.read()
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {file}: {e}") from None
+        fields['chat_template'] = read_text(file)
     if eos is None and os.path.exists(file := os.path.join(folder, 'config.json')):
         config = read_json(file)
         eos = config.get('eos_token_id') if isinstance(config, dict) else None
