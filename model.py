@@ -27,7 +27,8 @@ Features, each findable by name below:
   Targets equal to IGNORE_INDEX (-100) count in neither loss, as in F.cross_entropy; label smoothing in both.
 - flops_per_token() from the actual matmul weights plus attention; estimate_mfu() against the
   device's peak (PEAK_FLOPS: A100, H100, H200, H800, GH200, L40S, L40, L4, RTX 4090; None elsewhere).
-- generate(): KV cache, temperature, top-k, top-p, vocab_limit (no padding ids), under torch.inference_mode().
+- generate(): KV cache, temperature, top-k, top-p, vocab_limit (no padding ids), stop_token (end of text), under
+  torch.inference_mode().
 """
 import math
 from dataclasses import dataclass, fields
@@ -532,17 +533,20 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 vocab_limit=None, generator=None):
+                 vocab_limit=None, generator=None, stop_token=None):
         """Append max_new_tokens tokens to idx (B, T), each predicted from at most the last block_size tokens.
 
         temperature=0 decodes greedily. top_k keeps the k most likely tokens, top_p the smallest set whose
         probability reaches p. vocab_limit masks ids >= it (the padding of a padded vocabulary). With
         use_cache, keys and values are cached while the sequence fits in block_size; past that, each step
-        recomputes the last block_size tokens, exactly as without the cache.
+        recomputes the last block_size tokens, exactly as without the cache. A row that draws stop_token
+        (end of text) repeats it from then on, and generation ends early once every row has: each row is the one
+        it would be without stop_token up to its first stop (each step draws for every row, finished or not).
         """
         was_training = self.training
         self.eval()
         cache = None
+        stopped = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if idx.size(1) > self.config.block_size or not use_cache:
                 logits, _ = self(idx[:, -self.config.block_size:])
@@ -552,7 +556,12 @@ class GPT(nn.Module):
             else:  # one new token against the cache
                 logits, _ = self(idx[:, -1:], cache=cache)
             next_token = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, vocab_limit, generator)
+            if stop_token is not None:
+                next_token = next_token.masked_fill(stopped, stop_token)
+                stopped |= next_token == stop_token
             idx = torch.cat((idx, next_token), dim=1)
+            if stop_token is not None and stopped.all():  # (a sync with the device per token)
+                break
         self.train(was_training)
         return idx
 

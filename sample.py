@@ -4,7 +4,9 @@ Print text from a trained model. The model's shape and the tokenizer come from t
     python sample.py --out_dir=out-small
     python sample.py --out_dir=out-small --start="ROMEO:" --num_samples=2 --temperature=0.9 --top_p=0.95
 
-Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file.
+Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file. A
+sample ends at the data's end-of-text token (meta.json's eot_token: tiktoken's <|endoftext|>, an hf tokenizer's
+eos), which is not printed; --stop_at_eot=False prints every token drawn, past it.
 """
 import os
 import sys
@@ -27,6 +29,7 @@ DEFAULTS = dict(
     top_k=200,               # 0: off
     top_p=1.0,               # 1.0: off
     seed=1337,
+    stop_at_eot=True,        # end a sample at the end-of-text token (BPE data that has one)
     device='auto',
     dtype='auto',
 )
@@ -80,6 +83,7 @@ def main(argv):
         print(f"sample.py: the prompt's {len(ids)} tokens are cut to the model's block_size, its last "
               f"{model.config.block_size}", file=sys.stderr)
         ids = ids[-model.config.block_size:]
+    stop = meta.get('eot_token') if cfg['stop_at_eot'] else None  # none in char data and older checkpoints
     generator = torch.Generator(device).manual_seed(cfg['seed'])
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
     try:
@@ -87,7 +91,7 @@ def main(argv):
         with autocast:
             y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'],
                                top_k=cfg['top_k'] or None, top_p=cfg['top_p'], vocab_limit=meta['vocab_size'],
-                               generator=generator)
+                               generator=generator, stop_token=stop)
     except Exception as e:
         if out_of_memory(e) is None:
             raise
@@ -96,6 +100,8 @@ def main(argv):
                          f"max_new_tokens") from None
     try:
         for row in y.tolist():
+            if stop in row[len(ids):]:  # the text before the sample's first stop (the prompt may hold one)
+                row = row[:row.index(stop, len(ids))]
             print(decode(row))
             print('-' * 80)
         sys.stdout.flush()

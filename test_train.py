@@ -1398,6 +1398,63 @@ def test_sample_draws_each_sample_on_its_own_as_one_batch(tmp_path, capsys):
     assert capsys.readouterr().out == ''.join(''.join(chars[i] for i in row) + '\n' + '-' * 80 + '\n' for row in want)
 
 
+@pytest.mark.parametrize('use_cache', [True, False])
+def test_generate_ends_each_row_at_its_stop_token(use_cache):
+    # Reference: the same seeded draws without stop_token. Each row must equal its unstopped draw up to and
+    # including its first stop, then hold the stop token; generation ends as soon as every row has stopped and
+    # runs its whole length while one has not (3 rows of 30 tokens drawn from a near-uniform 32 ids).
+    model = tiny_model().eval()
+    prompt = torch.tensor([[3, 4, 5]] * 3)
+
+    def draw(stop):
+        return model.generate(prompt, 30, temperature=1.0, use_cache=use_cache, stop_token=stop,
+                              generator=torch.Generator().manual_seed(7))
+
+    full = draw(None)
+    new = full[:, 3:].tolist()
+    in_all = [t for t in range(32) if all(t in row for row in new)]
+    in_some = [t for t in range(32) if t in new[0] and not all(t in row for row in new)]
+    assert in_all and in_some  # (the seed gives both kinds of stop)
+    for stop in in_all[0], in_some[0]:
+        got = draw(stop)
+        ends = [row.index(stop) + 1 if stop in row else 30 for row in new]  # tokens up to each row's stop
+        assert got.size(1) == 3 + max(ends)
+        for row, end, got_row, full_row in zip(new, ends, got.tolist(), full.tolist()):
+            assert got_row[:3 + end] == full_row[:3 + end]
+            assert got_row[3 + end:] == [stop] * (got.size(1) - 3 - end)
+
+
+def test_sample_ends_each_sample_at_the_end_of_text_token(tmp_path, capsys):
+    # Reference: GPT.generate's draws without a stop, cut here at each row's first eot_token after the prompt
+    # (the token meta.json names: the prompt's first, which must not end anything). --stop_at_eot=False prints
+    # every draw; a checkpoint without eot_token (character data) prints every draw.
+    import sample
+    model, chars = sample_checkpoint(tmp_path)
+    prompt = torch.tensor([[3, 4, 5]])
+    rows = model.generate(prompt.repeat(4, 1), 24, temperature=1.0, vocab_limit=32,
+                          generator=torch.Generator().manual_seed(5)).tolist()
+    eot = 3
+    assert 1 <= sum(eot in row[3:] for row in rows) < 4  # (the seed ends some samples, not all)
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    ckpt['meta']['eot_token'] = eot
+    train.save_checkpoint(str(tmp_path / 'eot.pt'), ckpt)
+    separator = '\n' + '-' * 80 + '\n'
+
+    def run(*flags):
+        sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', '--num_samples=4',
+                     '--max_new_tokens=24', '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}',
+                     *flags])
+        return capsys.readouterr().out
+
+    def text(rows):
+        return ''.join(''.join(chars[i] for i in row) + separator for row in rows)
+
+    cut = [row[:3 + row[3:].index(eot)] if eot in row[3:] else row for row in rows]
+    assert cut != rows
+    assert run('--ckpt=eot.pt') == text(cut)
+    assert run('--ckpt=eot.pt', '--stop_at_eot=False') == run() == text(rows)
+
+
 def test_sample_generates_under_the_autocast_of_its_dtype(tmp_path, monkeypatch):
     # Reference: torch's own autocast state (torch.is_autocast_enabled / get_autocast_dtype) seen inside
     # GPT.generate: --dtype=bfloat16 on the CPU samples under CPU bf16 autocast, --dtype=float32 without
