@@ -373,9 +373,10 @@ def read_text(path):
         raise ValueError(f"cannot read {path}: {e}") from None
 
 
-def read_json(path):
-    """A JSON file's value, or a ValueError naming the file (missing, unreadable, not UTF-8, not JSON)."""
-    text = read_text(path)
+def read_json(path, text=None):
+    """A JSON file's value, or a ValueError naming the file (missing, unreadable, not UTF-8, not JSON); text: the
+    file's, read already."""
+    text = read_text(path) if text is None else text
     try:
         return json.loads(text)
     except ValueError as e:
@@ -396,13 +397,14 @@ def load_hf(path):
     folder = os.path.dirname(file)
     eos = None
     if os.path.exists(file := os.path.join(folder, 'tokenizer_config.json')):
-        config = read_json(file)
+        # the text as it came (chat template, special tokens), which export.py copies
+        fields['tokenizer_config'] = text = read_text(file)
+        config = read_json(file, text)
         eos = config.get('eos_token') if isinstance(config, dict) else None
         eos = eos.get('content') if isinstance(eos, dict) else eos
         if eos is not None and not isinstance(eos, str):
             raise ValueError(f"{file}: eos_token={eos!r} is not a token's text")
         eos = enc.tokenizer.token_to_id(eos) if eos else None
-        fields['tokenizer_config'] = read_text(file)  # as it came (chat template, special tokens): export.py copies it
     if os.path.exists(file := os.path.join(folder, 'chat_template.jinja')):  # transformers 5 keeps it apart
         fields['chat_template'] = read_text(file)
     if eos is None and os.path.exists(file := os.path.join(folder, 'config.json')):
