@@ -54,11 +54,13 @@ and its benchmarks' buffers). Activation memory (activation_mb, on every device)
 one micro-step, after the timed steps (activation_bytes). Loss: the last timed step's (`loss`), and in bench.json
 each timed step's, in order (`losses`: averaged over many steps, they compare two precisions' training better
 than one step's loss; from 20 timed steps on, bench.md gives each rung's mean over the last half: loss_means).
+The learning rate is train.py's, constant, or warmed up linearly over the first steps (--lr_warmup).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line.
 """
 import collections
 import gc
+import itertools
 import json
 import math
 import multiprocessing
@@ -117,6 +119,8 @@ DEFAULTS = dict(
                              # the steps run without data loading; the difference to False is what loading costs
                              # (the loss then comes from one step's batches over and over: compare only timings)
     gradient_accumulation_steps=0,                                            # 0: the preset's
+    lr_warmup=0,            # every rung's learning rate (train.py's learning_rate) warmed up linearly over this many
+                            # steps, warm-up ones first, as train.get_lr does, then constant; 0: constant throughout
     data_dir='data/shakespeare_char',  # its train.bin if there (and within vocab_size), else random tokens
     seed=1337,
     threads=0,              # torch's CPU threads; 0: its default. NOTE: on a busy machine 1 can be faster
@@ -348,8 +352,15 @@ def run_rung(s, env, timed=nullcontext):
                             env.gradient_accumulation_steps)
     if env.stage_data:
         batches = StagedBatches(batches, env.gradient_accumulation_steps)
-    step = lambda: train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps,  # noqa: E731
-                                    autocast, cfg.grad_clip)
+    count = itertools.count()
+
+    def step():
+        if env.lr_warmup:  # train.get_lr's warm-up, then constant
+            lr = cfg.learning_rate * min(1.0, (next(count) + 1) / (env.lr_warmup + 1))
+            for group in optimizer.param_groups:
+                group['lr'] = lr
+        return train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps, autocast,
+                                cfg.grad_clip)
     times = []
     backend = SDPBackend.MATH if s['attention'] == 'math' else SDPA_BACKENDS[env.sdpa_backend]
     # NOTE: SDPA's backend is not in torch.compile's cache keys (torch 2.11 to 2.13): a graph an earlier run
@@ -487,7 +498,8 @@ def markdown(rows, meta):
                                                               ('ok', 'failed')]),
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
              f"peak memory: {meta['memory']}; vs baseline: over {baseline}; vs prev: over the rung it builds on; "
-             "loss: after the timed steps",
+             f"loss: after the timed steps; learning rate {train.DEFAULTS['learning_rate']:g}, "
+             + (f"warmed up over the first {meta['lr_warmup']} steps" if meta.get('lr_warmup') else "constant"),
              "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
              "buffers excluded (bench.activation_bytes)", "",
              '| # | rung | precision | ' + ' | '.join(COLUMNS) + ' | note |',
@@ -1003,7 +1015,8 @@ def read_args(argv):
     # what a mode sets itself, so that a setting it would ignore is no silent no-op
     own = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
            'profile': (('repeats', 'tokens_per_step'), 'profiles one rung (the top one, or --rungs=N), once'),
-           'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile'),
+           'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile',
+                    'lr_warmup'),
                    'searches the micro-batch, eager, each try one warm-up and one timed step of 2 micro-steps')}
     keys, what = own[a['mode']]
     if unread := [k for k in keys if a[k] != DEFAULTS[k]]:
@@ -1021,6 +1034,8 @@ def read_args(argv):
         raise ConfigError(f"threads={a['threads']}: must be at least 0 (0: torch's default)")
     if not 0 <= a['seed'] < 2**63:
         raise ConfigError(f"seed={a['seed']}: must be between 0 and 2**63 - 1, as in train.py")
+    if a['lr_warmup'] < 0:
+        raise ConfigError(f"lr_warmup={a['lr_warmup']}: must be at least 0 (0: a constant learning rate)")
     if a['loss_chunk_tokens'] < -1:
         raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
     return a
@@ -1073,7 +1088,7 @@ def setup(argv):
                     gradient_accumulation_steps=env.gradient_accumulation_steps,
                     tokens_per_iter=env.batch_size * env.block_size * env.gradient_accumulation_steps,
                     step_note=step_note(env.preset, env.batch_size * env.block_size * env.gradient_accumulation_steps),
-                    warmup=env.warmup, steps=env.steps, repeats=env.repeats, data=data,
+                    warmup=env.warmup, steps=env.steps, repeats=env.repeats, lr_warmup=env.lr_warmup, data=data,
                     variants=dict(compile_mode=env.compile_mode,
                                   coordinate_descent_tuning=env.coordinate_descent_tuning,
                                   sdpa_backend=env.sdpa_backend, rope=env.rope,

@@ -1254,6 +1254,33 @@ def test_a_timed_step_is_one_optimizer_step_of_all_its_micro_batches(monkeypatch
     assert row['tokens_per_sec'] == pytest.approx(4 * 32 * 3 / (row['ms_per_iter'] / 1000))
 
 
+def test_lr_warmup_warms_every_rung_up_as_train_py_then_holds_the_rate(monkeypatch, tmp_path):
+    # Reference: train.get_lr with warmup_iters=3 for the first 3 steps (warm-up steps first, each rung from its
+    # first), train.py's learning_rate after; without --lr_warmup every step at learning_rate. The report says which.
+    lrs, real_step = [], train.train_step
+
+    def train_step(net, optimizer, *args):
+        lrs.append([group['lr'] for group in optimizer.param_groups])
+        return real_step(net, optimizer, *args)
+    monkeypatch.setattr(train, 'train_step', train_step)
+    lr = train.DEFAULTS['learning_rate']
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'warmup_iters': 3, 'max_iters': 100})
+    want = [train.get_lr(i, cfg) for i in range(3)] + [lr] * 3
+    assert want[0] < want[1] < want[2] < lr
+    for flags, rate in [(['--lr_warmup=3'], want), ([], [lr] * 6)]:
+        env = bench.setup([*TINY, '--warmup=2', '--steps=2', '--repeats=2', *flags])
+        for _ in range(2):  # a second rung starts over
+            lrs.clear()
+            bench.run_rung(bench.BASE, env)
+            assert lrs == [[pytest.approx(r, rel=1e-12)] * len(lrs[0]) for r in rate]
+        line = 'learning rate 0.0006, ' + ('warmed up over the first 3 steps' if flags else 'constant')
+        assert line in bench.markdown([], env.meta)
+    with pytest.raises(bench.ConfigError, match=r'lr_warmup=-1: must be at least 0'):
+        bench.setup([*TINY, '--lr_warmup=-1'])
+    with pytest.raises(bench.ConfigError, match=r'--mode=fit does not read lr_warmup'):
+        bench.setup(['--mode=fit', '--lr_warmup=3'])
+
+
 def test_a_rungs_time_is_the_median_repeat_per_step(monkeypatch):
     # Reference: a made-up clock that only the steps advance. Three repeats of two steps taking 0.2 + 0.4, 0.1 + 0.1
     # and 0.9 + 0.7 s are 0.3, 0.1 and 0.8 s per step: the median is 300 ms (the mean would be 400, the least 100)
