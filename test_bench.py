@@ -101,6 +101,20 @@ def test_many_timed_steps_give_each_rungs_mean_loss_over_their_last_half(result,
     assert 'loss, mean' not in open(result[1] / 'bench.md').read()
 
 
+def test_loss_means_start_at_20_timed_steps():
+    # Reference: the docstring: from 20 timed steps on, each rung's mean over the last half. Made-up losses: 1 to 20
+    # and twice that, means of the last 10 by hand 15.5 and 31 (+100%); 19 steps give no line; rungs that did not
+    # run (no losses) are left out.
+    rows = [dict(rung=1, status='ok', losses=[float(i) for i in range(1, 21)]),
+            dict(rung=2, status='skipped', losses=None), dict(rung=3, status='failed', losses=None),
+            dict(rung=4, status='ok', losses=[2.0 * i for i in range(1, 21)])]
+    assert bench.loss_means(rows) == ('loss, mean of the last 10 of the 20 timed steps: rung 1 15.50000; rung 4 '
+                                      '31.00000 (+100.00% against rung 1)')
+    for r in rows[::3]:
+        r['losses'] = r['losses'][:19]
+    assert bench.loss_means(rows) == ''
+
+
 def test_speed_only_rungs_keep_the_baseline_loss(result):
     rungs = [r for r in result[0]['rungs'] if r['status'] == 'ok']
     baseline = rungs[0]['loss']
@@ -249,6 +263,14 @@ def test_kind_of_cpu_operators_and_copy_kernels():
         assert bench.kind_of(name) == kind, name
 
 
+def test_fp8_cast_kernels_are_not_inductors_gemm_templates():
+    # Reference: FP8_CASTS' comment: inductor's kernels less its GEMM templates (triton_tem_) cast to FP8; a
+    # template that computes the FP8 matmul (max-autotune's, named for the _scaled_mm it replaces) is a matmul
+    assert bench.kind_of('triton_tem_fused__scaled_mm_0') == 'matmul'
+    assert bench.kind_of('triton_tem_fused__scaled_mm_abs_max_1') == 'matmul'
+    assert bench.kind_of('triton_poi_fused__scaled_mm__to_copy_0') == 'elementwise with FP8 casts'
+
+
 def test_kernel_times_busy_time_is_the_union_of_the_kernels():
     # Reference: intervals by hand. Kernels at 0-100, 20-60 (inside the first), 80-120 and 150-160 us cover
     # 0-120 and 150-160: 130 us; a kernel launched wholly from Optimizer.step leaves its name's kind no time
@@ -326,6 +348,43 @@ def test_idle_gaps_are_the_times_between_the_kernels_with_what_launched_the_next
          '| of which between kernels, in 0 gaps | 0.0 | 0.0% of wall |',
          "| of which before the first kernel (the host starting the step: its batch, the forward's launch) and "
          "after the last | 0.1 | 40.0% of wall |"], [])
+
+
+def test_idle_gaps_neither_invent_nor_miss_a_gap_and_show_a_short_launcher_chain_whole():
+    # Reference: intervals by hand. Kernels at 0-100, 20-60 (inside the first: it ends no covered span), 100-130
+    # (starting as the first ends: no gap) and 140-150: one gap, 130-140 (10 us). Its kernel was launched three
+    # calls deep: all three shown, nothing elided. The runtime's launch call that carries the launcher's id number
+    # (another count) and launched no kernel is never taken for it, wherever it comes in the events.
+    step = host_call(1, 'Optimizer.step#AdamW.step')
+    foreach = host_call(2, 'aten::_foreach_add_', step)
+    add = host_call(3, 'aten::add_', foreach)
+    runtime = SimpleNamespace(id=3, name='cudaLaunchKernel', device_type=torch.autograd.DeviceType.CPU,
+                              cpu_parent=None, linked_correlation_id=1, kernels=[])
+    kernels = [launched(fake_kernel('nvjet_a', 0, 100), None), launched(fake_kernel('triton_poi_fused_mul_0', 20, 60),
+               None), launched(fake_kernel('nvjet_b', 100, 130), None),
+               launched(fake_kernel('multi_tensor_apply_kernel', 140, 150), add)]
+    events = [step, foreach, add, runtime, *kernels[::-1]]
+    assert bench.idle_gaps(events) == [
+        (10, 'multi_tensor_apply_kernel', 'Optimizer.step#AdamW.step > aten::_foreach_add_ > aten::add_')]
+
+
+def test_idle_rows_count_every_gap_and_list_the_ten_longest():
+    # Reference: intervals by hand. 13 kernels of 10 us, the i-th gap between them i us long (1 to 12 us: 78 us in
+    # all); a wall of 1 ms, 130 us of it busy. The summary counts all 12 gaps and their 78 us; the table lists the
+    # ten longest, 12 down to 3 us. A wall shorter than the busy time (the profiler's clock against the host's)
+    # leaves no idle time, never a negative one.
+    kernels, start = [], 0
+    for i in range(13):
+        kernels.append(launched(fake_kernel(f'k{i}', start, start + 10), None))
+        start += 10 + i + 1
+    summary, table = bench.idle_rows(kernels, 1.0, 130 / 1000)
+    assert summary[0] == '| device idle (wall time no kernel covers) | 0.9 | 87.0% of wall |'
+    assert summary[1] == '| of which between kernels, in 12 gaps | 0.1 | 7.8% of wall |'
+    assert summary[2].endswith('| 0.8 | 79.2% of wall |')
+    assert table[3:] == [f'| {us:.1f} | `k{us}` | `not known` |' for us in range(12, 2, -1)]
+    summary, _ = bench.idle_rows(kernels[:1], 0.005, 10 / 1000)
+    assert summary[0] == '| device idle (wall time no kernel covers) | 0.0 | 0.0% of wall |'
+    assert summary[2].endswith('| 0.0 | 0.0% of wall |')
 
 
 def test_kernel_links_are_the_profilers_own_records():
@@ -707,6 +766,38 @@ def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
         bench.setup([*TINY, *flags])
 
 
+@pytest.mark.parametrize('mode, flag, key', [
+    ('fit', '--warmup=2', 'warmup'), ('fit', '--steps=2', 'steps'), ('fit', '--repeats=5', 'repeats'),
+    ('fit', '--rungs=8', 'rungs'), ('fit', '--batch_size=8', 'batch_size'),
+    ('fit', '--gradient_accumulation_steps=4', 'gradient_accumulation_steps'),
+    ('profile', '--tokens_per_step=4096', 'tokens_per_step')])
+def test_each_setting_a_mode_sets_itself_is_refused_alone(mode, flag, key):
+    # Reference: the docstring and fit_steps: fit searches the micro-batch itself, eager, on rung 7 (no rungs), each
+    # try one warm-up and one timed step of 2 micro-steps, once; profile times one rung's steps of batch_size x
+    # block_size x gradient_accumulation_steps, never tokens_per_step (fit's). Each such setting alone, without
+    # another beside it, is an error that names it, not a silent no-op.
+    with pytest.raises(bench.ConfigError, match=re.escape(f'--mode={mode} does not read {key}: it ')):
+        bench.read_args([f'--mode={mode}', flag])
+
+
+@pytest.mark.parametrize('argv', [
+    ['--mode=fit', '--tokens_per_step=65536'],
+    ['--mode=fit', '--sdpa_backend=flash', '--residual=autocast', '--stage_data=True', '--loss_chunk_tokens=0',
+     '--rope=halves', '--dtype=float16', '--fp8_recipe=rowwise'],
+    ['--mode=profile', '--rungs=8', '--compile_mode=max-autotune', '--coordinate_descent_tuning=True', '--warmup=2',
+     '--steps=5', '--lr_warmup=3', '--batch_size=8', '--gradient_accumulation_steps=2', '--stage_data=True'],
+    ['--rungs=8', '--compile_mode=reduce-overhead', '--coordinate_descent_tuning=True', '--lr_warmup=30',
+     '--steps=150', '--repeats=1', '--warmup=2']])
+def test_the_settings_a_mode_reads_are_not_refused(argv):
+    # Reference: the docstring's examples and DEFAULTS' comments: fit reads tokens_per_step (the step it splits) and
+    # the variants that change what a try runs, eager; profile runs one rung's steps as the ladder runs them,
+    # compiled or not, with its warm-up, steps, batch and learning rate; the ladder reads all but tokens_per_step
+    a = bench.read_args(argv)
+    for flag in argv:
+        key, value = flag[2:].split('=')
+        assert str(a[key]).replace(' ', '') in (value, f'[{value}]'), key
+
+
 @pytest.mark.parametrize('flag, message', [
     ('--n_head=3', 'GPTConfig: n_embd=32 is not divisible by n_head=3'),
     ('--n_layer=-1', 'GPTConfig: n_layer=-1 must be positive'),
@@ -854,6 +945,27 @@ def test_fit_is_not_misled_by_what_a_failed_try_leaves_behind(tmp_path, monkeypa
     assert bench.fit(env) == 0
     first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
     assert first['micro_batch'] == 37 and [f['batch_size'] for f in first['failures']] == [64, 48, 40, 38]
+
+
+def test_fit_notes_no_leak_for_what_every_process_holds(tmp_path, monkeypatch):
+    # Reference: fit_variant's thresholds as its comments give them: a leak is more than 1 GiB still allocated
+    # before a try, and memory outside torch's allocator is worth a note past 2 GiB, more than the CUDA contexts
+    # and the libraries' handles take. A made-up GPU on which every try finds 256 MiB allocated (what torch holds
+    # for cuBLAS's workspaces) and 1.5 GiB in use outside torch (fit's CUDA context and its child's): the search's
+    # own note alone, '' for a micro-batch of 20 below the step's 64 sequences.
+    def fake_run_rung(s, env):
+        if env.batch_size > 20:
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory')
+    env = fit_env(tmp_path, 2048, monkeypatch)
+    env.device_type = 'cuda'
+    monkeypatch.setattr(bench, 'run_rung', fake_run_rung)
+    monkeypatch.setattr(bench, 'FIT_VARIANTS', bench.FIT_VARIANTS[:1])
+    fake_device_memory(monkeypatch, lambda: 256 << 20, lambda: 3 << 29)
+    monkeypatch.setattr(bench.gc, 'collect', lambda: 0)  # (fast: nothing to collect in a stand-in)
+    assert bench.fit(env) == 0
+    first = json.load(open(tmp_path / 'fit.json'))['variants'][0]
+    assert first['micro_batch'] == 20 and first['failures'] and first['note'] == ''
+    assert set(first['held_before_try']) == {256 << 20} and set(first['outside_torch_before_try']) == {3 << 29}
 
 
 class TwoArguments(Exception):
@@ -1085,6 +1197,19 @@ def test_rungs_left_out_build_on_nothing_measured(monkeypatch):
     assert by[9]['builds_on'] is None and by[9]['speedup_vs_prev'] is None
     assert by[9]['settings'] == {**bench.BASE, 'attention': 'auto', 'fused_qkv': True, 'chunked_loss': True,
                                  'checkpointing': 'full'}
+
+
+def test_rung_settings_and_names_agree_with_a_compiled_ladder(monkeypatch):
+    # Reference: the ladder's own rows, on the CPU with compile on and bf16 asked for (rung 8 runs, so the memory
+    # rungs that profile mode reads by number build on the compiled rung), and the docstring's names: rung 3 is
+    # '+ bf16 autocast' where it runs bf16 (fp16 only where train.pick_dtype gives fp16)
+    rows, _, env = stand_in_ladder(monkeypatch, '--compile=True', '--dtype=bfloat16')
+    assert {r['rung']: r['name'] for r in rows}[3] == '+ bf16 autocast'
+    for row in rows:
+        name, settings, reason = bench.rung_settings(row['rung'], env)
+        assert (name, settings) == (row['name'], row['settings']), row['rung']
+        assert reason == (row['reason'] if row['status'] == 'skipped' else None), row['rung']
+    assert bench.rung_settings(9, env)[1]['compile'] is True and bench.rung_settings(3, env)[0] == '+ bf16 autocast'
 
 
 def table_cells(md):
@@ -1353,6 +1478,37 @@ def test_memory_figures_are_in_mib(monkeypatch):
         row = bench.run_rung({**bench.BASE, 'fused_qkv': fused}, env)
         assert len(counted) == 1 and row['activation_mb'] == counted[0] / 2**20
         assert row['optimizer_state_mb'] == (8 * params + 4 * (tensors + extra)) / 2**20, fused
+
+
+@pytest.mark.parametrize('compile_mode, compiled, reset_after_warmup', [
+    ('default', False, True), ('default', True, True), ('reduce-overhead', False, True),
+    ('reduce-overhead', True, False), ('max-autotune', True, False)])
+def test_peak_memory_is_the_rungs_own_and_covers_what_cuda_graphs_allocate(monkeypatch, compile_mode, compiled,
+                                                                           reset_after_warmup):
+    # Reference: the docstring's peak-memory rules, on a made-up GPU (the calls to torch.cuda recorded, the model
+    # on the CPU): the peak is reset as a rung starts (never an earlier rung's) and again after its warm-up, except
+    # on a compiled rung whose mode records CUDA graphs (reduce-overhead, max-autotune), whose graphs allocate
+    # their memory in the warm-up; it is read after the timed steps, before the untimed micro-step that counts the
+    # activations.
+    calls, real_step, real_activation_bytes = [], train.train_step, bench.activation_bytes
+    monkeypatch.setattr(torch.cuda, 'reset_peak_memory_stats', lambda device=None: calls.append('reset'))
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda device=None: calls.append('peak') or 3 << 20)
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, 'empty_cache', lambda: None)
+    monkeypatch.setattr(torch, 'compile', lambda m, mode=None: m)
+    monkeypatch.setattr(train, 'train_step', lambda *args: calls.append('step') or real_step(*args))
+    monkeypatch.setattr(bench, 'activation_bytes', lambda *a, **k: calls.append('activations') or
+                        real_activation_bytes(*a, **k))
+    env = bench.setup([*TINY, '--warmup=2', '--steps=1', '--repeats=2', f'--compile_mode={compile_mode}'])
+    env.device_type = 'cuda'  # (env.device stays the CPU)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        row = bench.run_rung({**bench.BASE, 'compile': compiled}, env)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    warmup, timed = ['step'] * 2, ['step'] * 2
+    assert calls == ['reset', *warmup, *(['reset'] if reset_after_warmup else []), *timed, 'peak', 'activations']
+    assert row['peak_mem_mb'] == 3
 
 
 # ----------------------------------------------------------------------------------------------------
