@@ -2,10 +2,11 @@
 Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a
 single-process run of the same global batch as the reference: DDP and FSDP2 must log the same per-step
 and eval losses and end with the same weights; checkpoints must resume across process counts (2 -> 1 and
-1 -> 2); only process 0 prints and logs; eval averages over all processes; SIGTERM to the launcher stops
-both processes at one step with a checkpoint that resumes; gradient_accumulation_steps not divisible by
-the number of processes is a clear error. Batches' split of the windows among processes is checked
-in-process against the one-process draw.
+1 -> 2); only process 0 prints, logs and writes in out_dir (every torchrun run is watched for writes of the
+other processes: WORKER); the token counts and tokens/s are the whole job's; eval averages over all processes;
+SIGTERM to the launcher stops both processes at one step with a checkpoint that resumes;
+gradient_accumulation_steps not divisible by the number of processes is a clear error. Batches' split of
+the windows among processes is checked in-process against the one-process draw.
 
     python -m pytest -q test_distributed.py
 
@@ -44,6 +45,33 @@ FLAGS = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch
          '--dropout=0']
 RUN_TIMEOUT = 300  # seconds; a run here takes 3-10 s, 50 s on a loaded 2-core machine, more with a cold disk
 LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
+# Under torchrun each worker runs train.py (as __main__) through this script, written next to out_dir. Processes
+# other than 0 first install an audit hook that notes in <out_dir>.writes-<rank> each file they open for writing,
+# make, rename, truncate or remove in out_dir: process 0 alone writes there (checkpoints, metrics, the plot, the
+# write probe, an earlier run moved aside, metrics.jsonl cut back on a resume). Two processes writing one file
+# race (one's os.replace finds the other's .tmp gone), and most of the time nothing else shows it.
+WORKER = '''import os, runpy, sys
+out_dir, here, rank = os.path.abspath({out_dir!r}), {here!r}, int(os.environ['RANK'])
+if rank:
+    note = os.open(f'{{out_dir}}.writes-{{rank}}', os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # before the hook
+    WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def inside(path):
+        return isinstance(path, (str, bytes, os.PathLike)) and \\
+            (os.path.abspath(os.fsdecode(path)) + os.sep).startswith(out_dir + os.sep)
+
+    def hook(event, args):
+        if event == 'open':  # builtins.open (mode 'w', 'a', 'r+', ...) and os.open (flags)
+            paths = args[:1] if (args[1] and set(args[1]) & set('wax+')) or (args[2] or 0) & WRITE else []
+        else:
+            paths = {{'os.rename': args[:2], 'os.remove': args[:1], 'os.rmdir': args[:1], 'os.mkdir': args[:1],
+                     'os.truncate': args[:1]}}.get(event, [])
+        if any(inside(p) for p in paths):
+            os.write(note, f'{{event}} {{[os.fsdecode(p) for p in paths]}}\\n'.encode())
+    sys.addaudithook(hook)
+sys.path.insert(0, here)
+runpy.run_path(os.path.join(here, 'train.py'), run_name='__main__')
+'''
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -107,7 +135,12 @@ class Launch:
     def __init__(self, nproc, out_dir, data_dir, *extra, torchrun=None):
         self.out_dir, self.nproc = str(out_dir), nproc
         self.log_path = self.out_dir + '.log'
-        launcher = TORCHRUN[:-2] + [f'--nproc_per_node={nproc}', 'train.py']
+        self.audited = nproc > 1  # train.py through WORKER, which notes what processes 1, 2, ... write in out_dir
+        self.script = self.out_dir + '.worker.py' if self.audited else 'train.py'  # what the workers run
+        if self.audited:
+            with open(self.script, 'w') as f:
+                f.write(WORKER.format(out_dir=self.out_dir, here=HERE))
+        launcher = TORCHRUN[:-2] + [f'--nproc_per_node={nproc}', self.script]
         cmd = (launcher if (nproc > 1 if torchrun is None else torchrun) else [sys.executable, 'train.py']) + \
             FLAGS + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
         self.cmd = ' '.join(cmd)
@@ -137,7 +170,16 @@ class Launch:
 
     def check(self):
         assert self.rc == 0 and not self.timed_out, self.describe()
+        self.check_only_process_zero_wrote()
         return self
+
+    def check_only_process_zero_wrote(self):
+        """Processes 1, 2, ... made, wrote, renamed or removed nothing in out_dir (WORKER's notes)."""
+        for rank in range(1, self.nproc if self.audited else 1):
+            with open(f'{self.out_dir}.writes-{rank}') as f:  # (missing: the hook never ran)
+                notes = f.read()
+            assert not notes, f"process {rank} wrote in out_dir, which is process 0's alone:\n{notes}" + \
+                self.describe()
 
     def metrics(self):
         with open(os.path.join(self.out_dir, 'metrics.jsonl')) as f:
@@ -156,9 +198,11 @@ def kind(record):
 
 
 def assert_metrics_close(got, want, rel=1e-5, where=''):
-    """The same lines (iteration and kind) in the same order; losses within rel; lr equal."""
+    """The same lines (iteration and kind) in the same order; losses within rel; lr and tokens equal."""
     assert [(kind(r), r['iter']) for r in got] == [(kind(r), r['iter']) for r in want], where
     for g, w in zip(got, want):
+        # the tokens trained on so far (the plots' x axis): the whole job's, not one process's share
+        assert g['tokens'] == w['tokens'], f"{where} iter {w['iter']} tokens: {g['tokens']} vs {w['tokens']}"
         for key in LOSS_KEYS:
             if key in w:
                 assert g[key] == pytest.approx(w[key], rel=rel, abs=0), \
@@ -197,7 +241,7 @@ def assert_same_state(got, want, where):
     """Weights within 1e-5, the optimizer state (whole tensors keyed by parameter name) within 1e-5 of each
     tensor's scale, the data sampler's generator identical: a checkpoint does not depend on the number of
     processes that wrote it. (On the CPU in float32 all of it is in fact bitwise equal today.)"""
-    assert got['iter_num'] == want['iter_num'], where
+    assert got['iter_num'] == want['iter_num'] and got['tokens'] == want['tokens'], where
     assert_tensors_close(got['model'], want['model'], 1e-5, f'{where} model')
     assert_tensors_close(got['optimizer'], want['optimizer'], 1e-5, f'{where} optimizer', scaled=True)
     assert torch.equal(got['batches']['generator'], want['batches']['generator']), f'{where}: batches state'
@@ -262,13 +306,16 @@ def resumed(request, root, data, single3):
     p, direction = request.param.split('-')
     out = root / request.param
     if direction == '2to1':
+        # the first run starts over an earlier run's files, which process 0 alone moves aside
+        shutil.copytree(single3.out_dir, out)
         first = run(2, out, data, '--max_iters=3', f'--parallelism={p}').check()
         second = run(1, out, data, '--max_iters=6', f'--parallelism={p}', '--init_from=resume').check()
     else:
         shutil.copytree(single3.out_dir, out)
         first = single3
         second = run(2, out, data, '--max_iters=6', f'--parallelism={p}', '--init_from=resume').check()
-    return SimpleNamespace(name=request.param, first=first, second=second, world_after=2 if direction == '1to2' else 1)
+    return SimpleNamespace(name=request.param, first=first, second=second, world_after=2 if direction == '1to2' else 1,
+                           earlier=single3.out_dir)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -348,6 +395,22 @@ def test_only_rank_zero_prints_and_logs(par6, single6):
     assert sorted(os.listdir(par6.out_dir)) == ['best.pt', 'ckpt.pt', 'metrics.jsonl', 'metrics.png']
 
 
+def test_throughput_counts_the_tokens_of_all_processes(par6):
+    # Reference: a step's tokens (batch_size x block_size x gradient_accumulation_steps, all processes' micro-batches)
+    # over the printed time per step. One process's share per second would be half of it (the MFU, per process,
+    # divides by the processes itself: test_train.py).
+    cfg = par6.ckpt()['config']
+    step_tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
+    printed = re.findall(r'^iter (\d+): loss [\d.]+, lr \S+, ([\d.]+) ms/iter, ([\d,]+) tok/s', par6.output, re.M)
+    logged = {r['iter']: r['tokens_per_sec'] for r in par6.metrics() if kind(r) == 'train'}
+    assert [int(i) for i, _, _ in printed] == sorted(logged) == [1, 2, 3, 4, 5, 6], par6.output[-3000:]
+    for i, ms, tok_s in printed:
+        ms, tok_s = float(ms), int(tok_s.replace(',', ''))
+        want = step_tokens * 1000 / ms  # ms is rounded to 0.1: want is within 0.05 / ms of the exact figure
+        assert abs(tok_s - want) <= want * 0.06 / ms + 1, (par6.parallelism, i, tok_s, want)
+        assert abs(logged[int(i)] - tok_s) <= 0.5, (par6.parallelism, i)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 2: checkpoints resume across process counts
 
@@ -360,6 +423,16 @@ def test_resume_across_process_counts(resumed, single6):
     got = r.second.ckpt()
     assert_same_state(got, single6.ckpt(), r.name)
     assert len(got['rng']) == r.world_after, r.name
+    if r.world_after == 2:
+        # process 1, which the one-process checkpoint lacks, is seeded afresh: a copy of process 0's restored state
+        # would give both processes the same dropout masks from here on
+        assert not torch.equal(got['rng'][0]['torch'], got['rng'][1]['torch']), r.name
+    else:
+        # the 2-process first run started over an earlier run (single3's files): moved aside whole, into one
+        # folder (two processes moving them would race, and split them or fail)
+        moved = [d for d in os.listdir(r.second.out_dir) if d.startswith('previous-')]
+        assert len(moved) == 1, (r.name, sorted(os.listdir(r.second.out_dir)))
+        assert sorted(os.listdir(os.path.join(r.second.out_dir, moved[0]))) == sorted(os.listdir(r.earlier)), r.name
 
 
 def test_resume_with_dropout_gives_each_process_its_own_rng_state(root, data):
@@ -572,6 +645,7 @@ def test_sigterm_stops_both_processes_at_one_step_and_resumes(root, data):
     assert not re.search(r'File ".*train\.py", line', out_text), launch.describe()
     ckpt = launch.ckpt()
     assert ckpt['iter_num'] == stopped and len(ckpt['rng']) == 2
+    launch.check_only_process_zero_wrote()  # the save at the signal too
     lines = launch.metrics()
     assert [r['iter'] for r in lines if kind(r) == 'train'] == list(range(1, stopped + 1))
 
@@ -596,7 +670,7 @@ def test_sigterm_to_one_worker_stops_both_processes_at_one_step(root, data):
         for pid in descendants(launch.proc.pid):
             with open(f'/proc/{pid}/cmdline') as f:
                 cmd = f.read().split(chr(0))
-            if 'train.py' in cmd and 'torch.distributed.run' not in cmd:
+            if launch.script in cmd and 'torch.distributed.run' not in cmd:
                 workers.append(pid)
         assert launch.proc.poll() is None and len(workers) == 2, launch.wait(1).describe()
         os.kill(workers[-1], signal.SIGTERM)  # one worker only
@@ -609,6 +683,7 @@ def test_sigterm_to_one_worker_stops_both_processes_at_one_step(root, data):
     assert len(saved) == 1 and 1 <= int(saved[0]) < 1000, launch.describe()
     assert launch.ckpt()['iter_num'] == int(saved[0])
     assert [r['iter'] for r in launch.metrics() if kind(r) == 'train'][-1] == int(saved[0])
+    launch.check_only_process_zero_wrote()  # the signalled process 1 leaves the save to process 0
 
 
 def test_one_process_under_torchrun_is_the_plain_run(root, data, single6):
