@@ -354,11 +354,10 @@ def run_rung(s, env, timed=nullcontext):
         batches = StagedBatches(batches, env.gradient_accumulation_steps)
     count = itertools.count()
 
-    def step():
-        if env.lr_warmup:  # train.get_lr's warm-up, then constant
-            lr = cfg.learning_rate * min(1.0, (next(count) + 1) / (env.lr_warmup + 1))
-            for group in optimizer.param_groups:
-                group['lr'] = lr
+    def step():  # the learning rate: train.get_lr's warm-up (none at lr_warmup=0), then constant
+        lr = cfg.learning_rate * min(1.0, (next(count) + 1) / (env.lr_warmup + 1))
+        for group in optimizer.param_groups:
+            group['lr'] = lr
         return train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps, autocast,
                                 cfg.grad_clip)
     times = []
@@ -499,7 +498,8 @@ def markdown(rows, meta):
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
              f"peak memory: {meta['memory']}; vs baseline: over {baseline}; vs prev: over the rung it builds on; "
              f"loss: after the timed steps; learning rate {train.DEFAULTS['learning_rate']:g}, "
-             + (f"warmed up over the first {meta['lr_warmup']} steps" if meta.get('lr_warmup') else "constant"),
+             + (f"warmed up over the first {meta['lr_warmup']} steps, the warm-up steps included"
+                if meta.get('lr_warmup') else "constant"),
              "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
              "buffers excluded (bench.activation_bytes)", "",
              '| # | rung | precision | ' + ' | '.join(COLUMNS) + ' | note |',
@@ -1014,7 +1014,8 @@ def read_args(argv):
             raise ConfigError(f"--mode=fit runs eager (compile would recompile at every size): {key} does not apply")
     # what a mode sets itself, so that a setting it would ignore is no silent no-op
     own = {'ladder': (('tokens_per_step',), 'times steps of batch_size x block_size x gradient_accumulation_steps'),
-           'profile': (('repeats', 'tokens_per_step'), 'profiles one rung (the top one, or --rungs=N), once'),
+           'profile': (('repeats', 'tokens_per_step', 'lr_warmup'), 'profiles one rung (the top one, or --rungs=N), '
+                       'once'),
            'fit': (('rungs', 'batch_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats', 'compile',
                     'lr_warmup'),
                    'searches the micro-batch, eager, each try one warm-up and one timed step of 2 micro-steps')}

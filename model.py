@@ -540,14 +540,15 @@ class GPT(nn.Module):
         probability reaches p. vocab_limit masks ids >= it (the padding of a padded vocabulary). With
         use_cache, keys and values are cached while the sequence fits in block_size; past that, each step
         recomputes the last block_size tokens, exactly as without the cache. A row that draws stop_token
-        (end of text) repeats it from then on, and generation ends early once every row has: each row is the one
-        it would be without stop_token up to its first stop (each step draws for every row, finished or not).
+        (end of text) repeats it from then on, and generation ends early once every row has (looked at every
+        STOP_CHECK tokens): each row is the one it would be without stop_token up to its first stop (each step
+        draws for every row, finished or not).
         """
         was_training = self.training
         self.eval()
         cache = None
         stopped = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             if idx.size(1) > self.config.block_size or not use_cache:
                 logits, _ = self(idx[:, -self.config.block_size:])
             elif cache is None:  # prefill
@@ -560,10 +561,15 @@ class GPT(nn.Module):
                 next_token = next_token.masked_fill(stopped, stop_token)
                 stopped |= next_token == stop_token
             idx = torch.cat((idx, next_token), dim=1)
-            if stop_token is not None and stopped.all():  # (a sync with the device per token)
+            if stop_token is not None and i % STOP_CHECK == STOP_CHECK - 1 and stopped.all():
                 break
         self.train(was_training)
         return idx
+
+
+# generate looks at whether every row has stopped once every STOP_CHECK tokens: each look waits for the device,
+# which could otherwise run ahead
+STOP_CHECK = 16
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=None, generator=None):

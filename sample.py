@@ -83,7 +83,7 @@ def main(argv):
         print(f"sample.py: the prompt's {len(ids)} tokens are cut to the model's block_size, its last "
               f"{model.config.block_size}", file=sys.stderr)
         ids = ids[-model.config.block_size:]
-    stop = meta.get('eot_token') if cfg['stop_at_eot'] else None  # none in char data and older checkpoints
+    stop = meta.get('eot_token') if cfg['stop_at_eot'] else None  # None: char data, an hf tokenizer without eos
     generator = torch.Generator(device).manual_seed(cfg['seed'])
     autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=getattr(torch, dtype))
     try:

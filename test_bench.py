@@ -770,12 +770,13 @@ def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
     ('fit', '--warmup=2', 'warmup'), ('fit', '--steps=2', 'steps'), ('fit', '--repeats=5', 'repeats'),
     ('fit', '--rungs=8', 'rungs'), ('fit', '--batch_size=8', 'batch_size'),
     ('fit', '--gradient_accumulation_steps=4', 'gradient_accumulation_steps'),
-    ('profile', '--tokens_per_step=4096', 'tokens_per_step')])
+    ('profile', '--tokens_per_step=4096', 'tokens_per_step'), ('profile', '--lr_warmup=3', 'lr_warmup')])
 def test_each_setting_a_mode_sets_itself_is_refused_alone(mode, flag, key):
     # Reference: the docstring and fit_steps: fit searches the micro-batch itself, eager, on rung 7 (no rungs), each
     # try one warm-up and one timed step of 2 micro-steps, once; profile times one rung's steps of batch_size x
-    # block_size x gradient_accumulation_steps, never tokens_per_step (fit's). Each such setting alone, without
-    # another beside it, is an error that names it, not a silent no-op.
+    # block_size x gradient_accumulation_steps, never tokens_per_step (fit's), and reports no loss (lr_warmup,
+    # which only the losses would show). Each such setting alone, without another beside it, is an error that
+    # names it, not a silent no-op.
     with pytest.raises(bench.ConfigError, match=re.escape(f'--mode={mode} does not read {key}: it ')):
         bench.read_args([f'--mode={mode}', flag])
 
@@ -785,13 +786,14 @@ def test_each_setting_a_mode_sets_itself_is_refused_alone(mode, flag, key):
     ['--mode=fit', '--sdpa_backend=flash', '--residual=autocast', '--stage_data=True', '--loss_chunk_tokens=0',
      '--rope=halves', '--dtype=float16', '--fp8_recipe=rowwise'],
     ['--mode=profile', '--rungs=8', '--compile_mode=max-autotune', '--coordinate_descent_tuning=True', '--warmup=2',
-     '--steps=5', '--lr_warmup=3', '--batch_size=8', '--gradient_accumulation_steps=2', '--stage_data=True'],
+     '--steps=5', '--batch_size=8', '--gradient_accumulation_steps=2', '--stage_data=True'],
     ['--rungs=8', '--compile_mode=reduce-overhead', '--coordinate_descent_tuning=True', '--lr_warmup=30',
      '--steps=150', '--repeats=1', '--warmup=2']])
 def test_the_settings_a_mode_reads_are_not_refused(argv):
     # Reference: the docstring's examples and DEFAULTS' comments: fit reads tokens_per_step (the step it splits) and
     # the variants that change what a try runs, eager; profile runs one rung's steps as the ladder runs them,
-    # compiled or not, with its warm-up, steps, batch and learning rate; the ladder reads all but tokens_per_step
+    # compiled or not, with its warm-up, steps and batch (not lr_warmup: it reports no loss); the ladder reads all
+    # but tokens_per_step
     a = bench.read_args(argv)
     for flag in argv:
         key, value = flag[2:].split('=')
@@ -1397,8 +1399,9 @@ def test_lr_warmup_warms_every_rung_up_as_train_py_then_holds_the_rate(monkeypat
         for _ in range(2):  # a second rung starts over
             lrs.clear()
             bench.run_rung(bench.BASE, env)
-            assert lrs == [[pytest.approx(r, rel=1e-12)] * len(lrs[0]) for r in rate]
-        line = 'learning rate 0.0006, ' + ('warmed up over the first 3 steps' if flags else 'constant')
+            assert lrs[0] and lrs == [[pytest.approx(r, rel=1e-12)] * len(lrs[0]) for r in rate]
+        line = 'learning rate 0.0006, ' + ('warmed up over the first 3 steps, the warm-up steps included' if flags
+                                          else 'constant')
         assert line in bench.markdown([], env.meta)
     with pytest.raises(bench.ConfigError, match=r'lr_warmup=-1: must be at least 0'):
         bench.setup([*TINY, '--lr_warmup=-1'])

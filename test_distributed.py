@@ -49,7 +49,9 @@ LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
 # other than 0 first install an audit hook that notes in <out_dir>.writes-<rank> each file they open for writing,
 # make, rename, truncate or remove in out_dir: process 0 alone writes there (checkpoints, metrics, the plot, the
 # write probe, an earlier run moved aside, metrics.jsonl cut back on a resume). Two processes writing one file
-# race (one's os.replace finds the other's .tmp gone), and most of the time nothing else shows it.
+# race (one's os.replace finds the other's .tmp gone), and most of the time nothing else shows it. What the hook
+# cannot see: writes from C++ that take a path (torch.save(obj, path): train.py saves through an open file) and
+# calls relative to a directory descriptor.
 WORKER = '''import os, runpy, sys
 out_dir, here, rank = os.path.abspath({out_dir!r}), {here!r}, int(os.environ['RANK'])
 if rank:
@@ -135,13 +137,14 @@ class Launch:
     def __init__(self, nproc, out_dir, data_dir, *extra, torchrun=None):
         self.out_dir, self.nproc = str(out_dir), nproc
         self.log_path = self.out_dir + '.log'
-        self.audited = nproc > 1  # train.py through WORKER, which notes what processes 1, 2, ... write in out_dir
+        via_torchrun = nproc > 1 if torchrun is None else torchrun
+        self.audited = via_torchrun and nproc > 1  # train.py through WORKER: what processes 1, 2, ... write in out_dir
         self.script = self.out_dir + '.worker.py' if self.audited else 'train.py'  # what the workers run
         if self.audited:
             with open(self.script, 'w') as f:
                 f.write(WORKER.format(out_dir=self.out_dir, here=HERE))
         launcher = TORCHRUN[:-2] + [f'--nproc_per_node={nproc}', self.script]
-        cmd = (launcher if (nproc > 1 if torchrun is None else torchrun) else [sys.executable, 'train.py']) + \
+        cmd = (launcher if via_torchrun else [sys.executable, 'train.py']) + \
             FLAGS + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
         self.cmd = ' '.join(cmd)
         self._log = open(self.log_path, 'w')

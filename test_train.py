@@ -1398,11 +1398,13 @@ def test_sample_draws_each_sample_on_its_own_as_one_batch(tmp_path, capsys):
     assert capsys.readouterr().out == ''.join(''.join(chars[i] for i in row) + '\n' + '-' * 80 + '\n' for row in want)
 
 
-@pytest.mark.parametrize('use_cache', [True, False])
-def test_generate_ends_each_row_at_its_stop_token(use_cache):
+@pytest.mark.parametrize('use_cache, check', [(True, 1), (False, 1), (True, 4), (True, model_module.STOP_CHECK)])
+def test_generate_ends_each_row_at_its_stop_token(use_cache, check, monkeypatch):
     # Reference: the same seeded draws without stop_token. Each row must equal its unstopped draw up to and
-    # including its first stop, then hold the stop token; generation ends as soon as every row has stopped and
-    # runs its whole length while one has not (3 rows of 30 tokens drawn from a near-uniform 32 ids).
+    # including its first stop, then hold the stop token; generation ends at the first look (every `check`
+    # tokens) after every row has stopped, and runs its whole length while one has not (3 rows of 30 tokens drawn
+    # from a near-uniform 32 ids).
+    monkeypatch.setattr(model_module, 'STOP_CHECK', check)
     model = tiny_model().eval()
     prompt = torch.tensor([[3, 4, 5]] * 3)
 
@@ -1417,24 +1419,30 @@ def test_generate_ends_each_row_at_its_stop_token(use_cache):
     assert in_all and in_some  # (the seed gives both kinds of stop)
     for stop in in_all[0], in_some[0]:
         got = draw(stop)
-        ends = [row.index(stop) + 1 if stop in row else 30 for row in new]  # tokens up to each row's stop
-        assert got.size(1) == 3 + max(ends)
+        ends = [row.index(stop) + 1 if stop in row else 31 for row in new]  # tokens up to each row's stop
+        assert got.size(1) == 3 + min(30, -(-max(ends) // check) * check), (stop, ends)
         for row, end, got_row, full_row in zip(new, ends, got.tolist(), full.tolist()):
             assert got_row[:3 + end] == full_row[:3 + end]
             assert got_row[3 + end:] == [stop] * (got.size(1) - 3 - end)
+    assert -(-max(row.index(in_all[0]) + 1 for row in new) // check) * check < 30  # (the early end is seen)
 
 
-def test_sample_ends_each_sample_at_the_end_of_text_token(tmp_path, capsys):
+def test_sample_ends_each_sample_at_the_end_of_text_token(tmp_path, capsys, monkeypatch):
     # Reference: GPT.generate's draws without a stop, cut here at each row's first eot_token after the prompt
-    # (the token meta.json names: the prompt's first, which must not end anything). --stop_at_eot=False prints
-    # every draw; a checkpoint without eot_token (character data) prints every draw.
+    # (the token meta.json names, one of the prompt's, which must not end anything), generate told to stop there.
+    # --stop_at_eot=False prints every draw; a checkpoint without eot_token (character data) prints every draw.
     import sample
     model, chars = sample_checkpoint(tmp_path)
     prompt = torch.tensor([[3, 4, 5]])
     rows = model.generate(prompt.repeat(4, 1), 24, temperature=1.0, vocab_limit=32,
                           generator=torch.Generator().manual_seed(5)).tolist()
-    eot = 3
-    assert 1 <= sum(eot in row[3:] for row in rows) < 4  # (the seed ends some samples, not all)
+    eot = next(t for t in (3, 4, 5) if 1 <= sum(t in row[3:] for row in rows) < 4)  # ends some samples, not all
+    stops, generate = [], GPT.generate
+
+    def spy(self, *args, **kwargs):
+        stops.append(kwargs['stop_token'])
+        return generate(self, *args, **kwargs)
+    monkeypatch.setattr(GPT, 'generate', spy)
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
     ckpt['meta']['eot_token'] = eot
     train.save_checkpoint(str(tmp_path / 'eot.pt'), ckpt)
@@ -1453,6 +1461,7 @@ def test_sample_ends_each_sample_at_the_end_of_text_token(tmp_path, capsys):
     assert cut != rows
     assert run('--ckpt=eot.pt') == text(cut)
     assert run('--ckpt=eot.pt', '--stop_at_eot=False') == run() == text(rows)
+    assert stops == [eot, None, None]
 
 
 def test_sample_generates_under_the_autocast_of_its_dtype(tmp_path, monkeypatch):
