@@ -2415,3 +2415,96 @@ def test_head_dim_set_apart_from_the_width_needs_no_divisible_width():
     assert model.blocks[0].attn.proj.weight.shape == (40, 48)
     logits, _ = model(random_batch(0, 2, 16, 32)[0])
     assert logits.shape == (2, 16, 32) and torch.isfinite(logits).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# ignored targets, the residual stream's dtype under float16, generate's stop token between its looks, a sample
+# cut at its first drawn token
+
+@pytest.mark.parametrize('chunk', [7, 0])
+def test_targets_of_minus_100_count_in_neither_loss_as_in_f_cross_entropy(chunk):
+    # Reference: F.cross_entropy with its own default ignore_index (-100, which Hugging Face's data collators
+    # write for the tokens not to train on), over the logits of a forward without targets, in float64, with label
+    # smoothing; and its autograd gradients. The literal -100, not model.IGNORE_INDEX: the value is the promise.
+    model = tiny_model(dtype=torch.float64, tie_embeddings=False)
+    x, y = random_batch(0, 3, 16, 32)
+    y = y.clone()  # (a view of the tokens x is a view of too)
+    y[1, 3:9], y[2, 0] = -100, -100
+    model.zero_grad(set_to_none=True)
+    want_loss = F.cross_entropy(model(x)[0].reshape(-1, 32), y.reshape(-1), label_smoothing=0.1)
+    want_loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    loss, grads = loss_and_grads(model, x, y, chunk, 0.1)
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-12, atol=0)
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_autocast_residual_follows_autocasts_dtype_under_float16():
+    # Reference: the dtype torch.autocast is asked for (float16 here, where the other tests ask for bfloat16), seen
+    # by each block as it runs, and the forward written out with the model's own modules under the same autocast,
+    # the token embeddings cast to float16 first.
+    model = tiny_model(seed=5, n_layer=2)
+    model.autocast_residual = True
+    x, y = random_batch(1, 2, 16, 32)
+    seen = []
+    hooks = [block.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+             for block in model.blocks]
+    with torch.autocast('cpu', torch.float16):
+        loss = model(x, y)[1]
+    for hook in hooks:
+        hook.remove()
+    assert seen == [(torch.float16, torch.float16)] * 2
+    with torch.autocast('cpu', torch.float16):
+        h = model.wte(x).to(torch.float16)
+        for block in model.blocks:
+            h = block(h, model.cos[:16], model.sin[:16])
+        logits = model.lm_head(model.norm(h)).float()
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), y.reshape(-1)), rtol=1e-6, atol=1e-6)
+
+
+def test_generate_holds_every_stopped_row_until_it_looks(monkeypatch):
+    # Reference: the same seeded draws without stop_token. Between generate's looks (every STOP_CHECK tokens, 5 here)
+    # rows that have all stopped still draw, and each must go on repeating the stop token; checked for every token
+    # that all three rows draw, so that the rows have all stopped at several distances before a look.
+    monkeypatch.setattr(model_module, 'STOP_CHECK', 5)
+    model = tiny_model().eval()
+    prompt = torch.tensor([[3, 4, 5]] * 3)
+
+    def draw(stop):
+        return model.generate(prompt, 30, temperature=1.0, stop_token=stop,
+                              generator=torch.Generator().manual_seed(7)).tolist()
+    full = draw(None)
+    stops = [t for t in range(32) if all(t in row[3:] for row in full)]
+    waits = set()
+    for stop in stops:
+        ends = [row[3:].index(stop) + 1 for row in full]  # tokens up to each row's first stop
+        length = min(30, -(-max(ends) // 5) * 5)  # at the first look after the last row stopped
+        waits.add(length - max(ends))
+        got = draw(stop)
+        assert [len(row) for row in got] == [3 + length] * 3, (stop, ends)
+        for row, end, full_row in zip(got, ends, full):
+            assert row[:3 + end] == full_row[:3 + end] and row[3 + end:] == [stop] * (length - end), (stop, ends)
+    assert waits - {0}  # (some stops leave draws between the last row's stop and the look)
+
+
+def test_sample_whose_first_drawn_token_is_the_end_of_text_token_is_its_prompt_alone(tmp_path, capsys):
+    # Reference: GPT.generate's draws without a stop (as sample.py draws them: 4 samples in one batch, seed 5), cut
+    # here at each row's first eot_token after the prompt, the eot_token being the token the first sample draws
+    # first: that sample prints as its prompt alone, with 24 new tokens and with 1 (where the stop is its last).
+    import sample
+    model, chars = sample_checkpoint(tmp_path)
+    rows = model.generate(torch.tensor([[3, 4, 5]] * 4), 24, temperature=1.0, vocab_limit=32,
+                          generator=torch.Generator().manual_seed(5)).tolist()
+    eot = rows[0][3]
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    ckpt['meta']['eot_token'] = eot
+    train.save_checkpoint(str(tmp_path / 'eot.pt'), ckpt)
+    for new in 24, 1:
+        sample.main([f'--out_dir={tmp_path}', '--ckpt=eot.pt', '--device=cpu', '--dtype=float32', '--num_samples=4',
+                     f'--max_new_tokens={new}', '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}'])
+        drawn = [row[:3 + new] for row in rows]
+        cut = [row[:3 + row[3:].index(eot)] if eot in row[3:] else row for row in drawn]
+        assert cut[0] == [3, 4, 5]
+        assert capsys.readouterr().out == ''.join(''.join(chars[i] for i in row) + '\n' + '-' * 80 + '\n'
+                                                  for row in cut), new
