@@ -774,7 +774,9 @@ def test_selective_checkpointing_trains_end_to_end(data, tmp_path, monkeypatch):
 def test_autocast_residual_reaches_the_model_and_is_named(data, tmp_path, monkeypatch, capsys):
     # Reference: the dtype of what each block receives in the training steps, seen by a spy on Block.forward:
     # under bf16 autocast the residual stream is bf16 with autocast_residual=True and float32 without it, as the
-    # run's report says; in float32 the setting changes nothing, and the run says so.
+    # run's report says; in float32 the setting changes nothing, and the run says so. Without torchrun
+    # parallelism='fsdp' shards nothing: bf16 autocast runs as in any one-process run. float16 autocast puts the
+    # stream in float16; dtype='auto' on the CPU computes in float32 (the warning too).
     dtypes, real_forward = [], model_module.Block.forward
 
     def spy(self, x, *a, **k):
@@ -784,14 +786,19 @@ def test_autocast_residual_reaches_the_model_and_is_named(data, tmp_path, monkey
     monkeypatch.setattr(model_module.Block, 'forward', spy)
     cases = [(['--dtype=bfloat16', '--autocast_residual=True'], torch.bfloat16, 'bfloat16 (autocast_residual)'),
              (['--dtype=bfloat16'], torch.float32, 'float32 (autocast_residual off)'),
-             (['--autocast_residual=True'], torch.float32, 'float32')]  # args' dtype: float32
+             (['--autocast_residual=True'], torch.float32, 'float32'),  # args' dtype: float32
+             (['--dtype=bfloat16', '--parallelism=fsdp', '--autocast_residual=True'], torch.bfloat16,
+              'bfloat16 (autocast_residual)'),
+             (['--dtype=bfloat16', '--parallelism=fsdp'], torch.float32, 'float32 (autocast_residual off)'),
+             (['--dtype=float16', '--autocast_residual=True'], torch.float16, 'float16 (autocast_residual)'),
+             (['--dtype=auto', '--autocast_residual=True'], torch.float32, 'float32')]
     for i, (flags, want, line) in enumerate(cases):
         dtypes.clear()
         code, out = main_capture(args(data, tmp_path / str(i), '--max_iters=2', '--eval_iters=1', *flags))
         assert code == 0 and re.search(rf'residual stream\s+{re.escape(line)}\n', out), out
         assert len(dtypes) == 2 and set(dtypes) == {want}, (flags, dtypes)  # 1 block, 2 one-micro-step steps
         no_effect = 'autocast_residual=True has no effect: this run computes in float32' in capsys.readouterr().err
-        assert no_effect == (i == 2), flags
+        assert no_effect == (i in (2, 6)), flags
 
 
 def test_fsdp_policy_puts_the_residual_stream_in_its_dtype_as_the_report_says(tmp_path):
