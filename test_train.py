@@ -1272,9 +1272,8 @@ def test_sample_prints_text_from_the_vocabulary(runs):
     # Reference: the dataset's character set (meta.json) and the prompt '\n' plus 20 new characters.
     proc = run_script('sample.py', f'--out_dir={runs.a}', '--max_new_tokens=20', '--num_samples=1',
                       '--device=cpu')
-    separator = '\n' + '-' * 80 + '\n'
-    assert proc.stdout.endswith(separator)
-    text = proc.stdout[:-len(separator)]
+    assert proc.stdout.endswith(SEPARATOR)
+    text = proc.stdout[:-len(SEPARATOR)]
     assert len(text) == 21 and text[0] == '\n'
     assert set(text) <= set(runs.meta['chars'])
 
@@ -1303,8 +1302,7 @@ def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, 
     train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
                                                       'meta': dict(tokenizer='char', vocab_size=32, chars=chars)})
     greedy = model.generate(torch.tensor([[3, 4, 5]] * 2), 20, temperature=0)
-    separator = '\n' + '-' * 80 + '\n'
-    greedy_text = ''.join(''.join(chars[i] for i in row) + separator for row in greedy.tolist())
+    greedy_text = sample_text(greedy.tolist(), chars)
     seen, generate = [], GPT.generate
 
     def spy(self, idx, max_new_tokens, **kwargs):
@@ -1330,6 +1328,14 @@ def test_sample_passes_its_sampling_settings_to_generate(tmp_path, monkeypatch, 
                     dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=0.8, top_k=200, top_p=1.0)]
 
 
+SEPARATOR = '\n' + '-' * 80 + '\n'  # sample.py prints it after each sample
+
+
+def sample_text(rows, chars):
+    """What sample.py prints for samples of ids of the character vocabulary chars."""
+    return ''.join(''.join(chars[i] for i in row) + SEPARATOR for row in rows)
+
+
 def sample_checkpoint(path):
     """A fresh tiny model (block_size 16, near-uniform over its 32 ids) saved as a checkpoint of 32 characters."""
     model = tiny_model().eval()
@@ -1345,7 +1351,6 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
     # same text for the same --seed and another for another seed (8 tokens, near-uniform over 32 ids)
     import sample
     model, chars = sample_checkpoint(tmp_path)
-    separator = '\n' + '-' * 80 + '\n'
 
     def run(*flags):
         capsys.readouterr()
@@ -1356,13 +1361,13 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
     prompt = ''.join(chars[5 * i % 32] for i in range(20))  # no character twice: 4 past block_size
     want = model.generate(torch.tensor([[chars.index(c) for c in prompt[-16:]]]), 8, temperature=0)[0].tolist()
     printed = run(f'--start={prompt}', '--temperature=0')
-    assert printed.out == ''.join(chars[i] for i in want) + separator
+    assert printed.out == sample_text([want], chars)
     assert "the prompt's 20 tokens are cut to the model's block_size, its last 16" in printed.err
     assert 'cut' not in run(f'--start={prompt[:16]}', '--temperature=0').err  # exactly block_size: whole
     (tmp_path / 'prompt.txt').write_text(prompt[:6], encoding='utf-8')
     assert run(f'--start=FILE:{tmp_path / "prompt.txt"}', '--temperature=0').out == \
         run(f'--start={prompt[:6]}', '--temperature=0').out
-    assert run(f'--start={prompt[:6]}', '--max_new_tokens=0').out == prompt[:6] + separator
+    assert run(f'--start={prompt[:6]}', '--max_new_tokens=0').out == prompt[:6] + SEPARATOR
     sampled = [run(f'--start={prompt[:6]}', '--temperature=1.0', '--top_k=0', f'--seed={seed}').out
                for seed in (1, 1, 2)]
     assert sampled[0] == sampled[1] != sampled[2]
@@ -1380,7 +1385,7 @@ def test_sample_prompt_from_a_file_long_prompts_and_the_seed(tmp_path, capsys):
                                                                    chars='\n\r' + chars[2:])})
     (tmp_path / 'crlf.txt').write_bytes(f'{chars[5]}\r\n{chars[6]}\r\r\n'.encode())
     assert run('--ckpt=crlf.pt', f'--start=FILE:{tmp_path / "crlf.txt"}', '--max_new_tokens=0').out == \
-        f'{chars[5]}\r\n{chars[6]}\r\r\n' + separator
+        f'{chars[5]}\r\n{chars[6]}\r\r\n' + SEPARATOR
 
 
 def test_sample_draws_each_sample_on_its_own_as_one_batch(tmp_path, capsys):
@@ -1395,15 +1400,16 @@ def test_sample_draws_each_sample_on_its_own_as_one_batch(tmp_path, capsys):
     assert len({tuple(row) for row in want}) == 4
     sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', '--num_samples=4', '--max_new_tokens=8',
                  '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}'])
-    assert capsys.readouterr().out == ''.join(''.join(chars[i] for i in row) + '\n' + '-' * 80 + '\n' for row in want)
+    assert capsys.readouterr().out == sample_text(want, chars)
 
 
 @pytest.mark.parametrize('use_cache, check', [(True, 1), (False, 1), (True, 4), (True, model_module.STOP_CHECK)])
 def test_generate_ends_each_row_at_its_stop_token(use_cache, check, monkeypatch):
     # Reference: the same seeded draws without stop_token. Each row must equal its unstopped draw up to and
-    # including its first stop, then hold the stop token; generation ends at the first look (every `check`
-    # tokens) after every row has stopped, and runs its whole length while one has not (3 rows of 30 tokens drawn
-    # from a near-uniform 32 ids).
+    # including its first stop, then hold the stop token, also between the last row's stop and the look that sees
+    # it; generation ends at the first look (every `check` tokens) after every row has stopped, and runs its whole
+    # length while one has not (3 rows of 30 tokens drawn from a near-uniform 32 ids; every token that all rows
+    # draw, so that the rows have all stopped at several distances before a look).
     monkeypatch.setattr(model_module, 'STOP_CHECK', check)
     model = tiny_model().eval()
     prompt = torch.tensor([[3, 4, 5]] * 3)
@@ -1417,26 +1423,34 @@ def test_generate_ends_each_row_at_its_stop_token(use_cache, check, monkeypatch)
     in_all = [t for t in range(32) if all(t in row for row in new)]
     in_some = [t for t in range(32) if t in new[0] and not all(t in row for row in new)]
     assert in_all and in_some  # (the seed gives both kinds of stop)
-    for stop in in_all[0], in_some[0]:
+    lengths, waits = [], []
+    for stop in [*in_all, in_some[0]]:
         got = draw(stop)
         ends = [row.index(stop) + 1 if stop in row else 31 for row in new]  # tokens up to each row's stop
-        assert got.size(1) == 3 + min(30, -(-max(ends) // check) * check), (stop, ends)
+        length = min(30, -(-max(ends) // check) * check)  # at the first look after the last row's stop
+        assert got.size(1) == 3 + length, (stop, ends)
         for row, end, got_row, full_row in zip(new, ends, got.tolist(), full.tolist()):
             assert got_row[:3 + end] == full_row[:3 + end]
-            assert got_row[3 + end:] == [stop] * (got.size(1) - 3 - end)
-    assert -(-max(row.index(in_all[0]) + 1 for row in new) // check) * check < 30  # (the early end is seen)
+            assert got_row[3 + end:] == [stop] * (length - end)
+        lengths.append(length)
+        if max(ends) <= 30:  # every row stopped
+            waits.append(length - max(ends))
+    assert min(lengths) < 30 and (check == 1 or max(waits) > 0)  # (an early end; rows held until a look)
 
 
 def test_sample_ends_each_sample_at_the_end_of_text_token(tmp_path, capsys, monkeypatch):
     # Reference: GPT.generate's draws without a stop, cut here at each row's first eot_token after the prompt
     # (the token meta.json names, one of the prompt's, which must not end anything), generate told to stop there.
-    # --stop_at_eot=False prints every draw; a checkpoint without eot_token (character data) prints every draw.
+    # --stop_at_eot=False prints every draw; a checkpoint without eot_token (character data) prints every draw. An
+    # eot that the first sample draws first prints that sample as its prompt alone, with 24 new tokens and with 1
+    # (where the stop is its last).
     import sample
     model, chars = sample_checkpoint(tmp_path)
     prompt = torch.tensor([[3, 4, 5]])
     rows = model.generate(prompt.repeat(4, 1), 24, temperature=1.0, vocab_limit=32,
                           generator=torch.Generator().manual_seed(5)).tolist()
     eot = next(t for t in (3, 4, 5) if 1 <= sum(t in row[3:] for row in rows) < 4)  # ends some samples, not all
+    first = rows[0][3]
     stops, generate = [], GPT.generate
 
     def spy(self, *args, **kwargs):
@@ -1444,24 +1458,26 @@ def test_sample_ends_each_sample_at_the_end_of_text_token(tmp_path, capsys, monk
         return generate(self, *args, **kwargs)
     monkeypatch.setattr(GPT, 'generate', spy)
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
-    ckpt['meta']['eot_token'] = eot
-    train.save_checkpoint(str(tmp_path / 'eot.pt'), ckpt)
-    separator = '\n' + '-' * 80 + '\n'
+    for name, token in ('eot.pt', eot), ('first.pt', first):
+        ckpt['meta']['eot_token'] = token
+        train.save_checkpoint(str(tmp_path / name), ckpt)
 
-    def run(*flags):
+    def run(*flags, new=24):
         sample.main([f'--out_dir={tmp_path}', '--device=cpu', '--dtype=float32', '--num_samples=4',
-                     '--max_new_tokens=24', '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}',
+                     f'--max_new_tokens={new}', '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}',
                      *flags])
         return capsys.readouterr().out
 
-    def text(rows):
-        return ''.join(''.join(chars[i] for i in row) + separator for row in rows)
+    def cut(rows, stop):
+        return [row[:3 + row[3:].index(stop)] if stop in row[3:] else row for row in rows]
 
-    cut = [row[:3 + row[3:].index(eot)] if eot in row[3:] else row for row in rows]
-    assert cut != rows
-    assert run('--ckpt=eot.pt') == text(cut)
-    assert run('--ckpt=eot.pt', '--stop_at_eot=False') == run() == text(rows)
-    assert stops == [eot, None, None]
+    assert cut(rows, eot) != rows
+    assert run('--ckpt=eot.pt') == sample_text(cut(rows, eot), chars)
+    assert run('--ckpt=eot.pt', '--stop_at_eot=False') == run() == sample_text(rows, chars)
+    for new in 24, 1:
+        drawn = cut([row[:3 + new] for row in rows], first)
+        assert drawn[0] == [3, 4, 5] and run('--ckpt=first.pt', new=new) == sample_text(drawn, chars)
+    assert stops == [eot, None, None, first, first]
 
 
 def test_sample_generates_under_the_autocast_of_its_dtype(tmp_path, monkeypatch):
@@ -1616,6 +1632,9 @@ def test_ignored_targets_count_in_neither_loss(monkeypatch, label_smoothing):
     logp = model(x)[0].log_softmax(dim=-1)[kept]  # (kept tokens, V)
     per_token = -(1 - label_smoothing) * logp.gather(1, y[kept][:, None]).squeeze(1) - label_smoothing * logp.mean(1)
     want_loss = per_token.sum() / kept.sum()
+    # ... which is F.cross_entropy's with its default ignore_index (-100, what Hugging Face's data collators write)
+    plain = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), label_smoothing=label_smoothing)
+    torch.testing.assert_close(want_loss, plain, rtol=1e-12, atol=0)
     want_loss.backward()
     want = {n: p.grad for n, p in model.named_parameters()}
     for chunk, compiling in ((7, False), (7, True), (0, False)):
@@ -1789,11 +1808,12 @@ def test_x0_mix_adds_the_scaled_token_embeddings_before_each_later_block():
         tiny_config(n_layer=1, x0_mix=True)
 
 
-@pytest.mark.parametrize('x0_mix', [False, True])
-def test_autocast_residual_keeps_the_stream_in_the_autocast_dtype(x0_mix):
-    # Reference: the forward written out with the model's own modules under CPU bf16 autocast, the token embeddings
-    # cast to bf16 first; the dtype every block receives and returns, recorded as it runs; without autocast the
-    # switch changes nothing, bit for bit; and the bf16 stream's loss stays near the float32 stream's.
+@pytest.mark.parametrize('x0_mix, dtype', [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float16)])
+def test_autocast_residual_keeps_the_stream_in_the_autocast_dtype(x0_mix, dtype):
+    # Reference: the forward written out with the model's own modules under CPU bf16 (or float16) autocast, the
+    # token embeddings cast to autocast's dtype first; the dtype every block receives and returns, recorded as it
+    # runs; without autocast the switch changes nothing, bit for bit; and the rounded stream's loss stays near the
+    # float32 stream's.
     model = tiny_model(seed=5, n_layer=3, x0_mix=x0_mix)
     if x0_mix:
         with torch.no_grad():
@@ -1802,16 +1822,16 @@ def test_autocast_residual_keeps_the_stream_in_the_autocast_dtype(x0_mix):
     seen = []
     for block in model.blocks:
         block.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
-    autocast = torch.autocast('cpu', torch.bfloat16)
+    autocast = torch.autocast('cpu', dtype)
     with autocast:
         float32_stream = model(x, y)[1]
     assert set(seen) == {(torch.float32, torch.float32)}
     model.autocast_residual, seen[:] = True, []
     with autocast:
         loss = model(x, y)[1]
-    assert set(seen) == {(torch.bfloat16, torch.bfloat16)} and len(seen) == 3
+    assert set(seen) == {(dtype, dtype)} and len(seen) == 3
     with autocast:
-        x0 = h = model.wte(x).to(torch.bfloat16)
+        x0 = h = model.wte(x).to(dtype)
         cos, sin = model.cos[:16], model.sin[:16]
         for i, block in enumerate(model.blocks):
             h = block(h + (model.x0_scale[i - 1] * x0 if x0_mix and i else 0), cos, sin)
@@ -2415,96 +2435,3 @@ def test_head_dim_set_apart_from_the_width_needs_no_divisible_width():
     assert model.blocks[0].attn.proj.weight.shape == (40, 48)
     logits, _ = model(random_batch(0, 2, 16, 32)[0])
     assert logits.shape == (2, 16, 32) and torch.isfinite(logits).all()
-
-
-# ----------------------------------------------------------------------------------------------------
-# ignored targets, the residual stream's dtype under float16, generate's stop token between its looks, a sample
-# cut at its first drawn token
-
-@pytest.mark.parametrize('chunk', [7, 0])
-def test_targets_of_minus_100_count_in_neither_loss_as_in_f_cross_entropy(chunk):
-    # Reference: F.cross_entropy with its own default ignore_index (-100, which Hugging Face's data collators
-    # write for the tokens not to train on), over the logits of a forward without targets, in float64, with label
-    # smoothing; and its autograd gradients. The literal -100, not model.IGNORE_INDEX: the value is the promise.
-    model = tiny_model(dtype=torch.float64, tie_embeddings=False)
-    x, y = random_batch(0, 3, 16, 32)
-    y = y.clone()  # (a view of the tokens x is a view of too)
-    y[1, 3:9], y[2, 0] = -100, -100
-    model.zero_grad(set_to_none=True)
-    want_loss = F.cross_entropy(model(x)[0].reshape(-1, 32), y.reshape(-1), label_smoothing=0.1)
-    want_loss.backward()
-    want = {n: p.grad for n, p in model.named_parameters()}
-    loss, grads = loss_and_grads(model, x, y, chunk, 0.1)
-    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-12, atol=0)
-    for name in want:
-        torch.testing.assert_close(grads[name], want[name], rtol=1e-10, atol=1e-14, msg=name)
-
-
-def test_autocast_residual_follows_autocasts_dtype_under_float16():
-    # Reference: the dtype torch.autocast is asked for (float16 here, where the other tests ask for bfloat16), seen
-    # by each block as it runs, and the forward written out with the model's own modules under the same autocast,
-    # the token embeddings cast to float16 first.
-    model = tiny_model(seed=5, n_layer=2)
-    model.autocast_residual = True
-    x, y = random_batch(1, 2, 16, 32)
-    seen = []
-    hooks = [block.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
-             for block in model.blocks]
-    with torch.autocast('cpu', torch.float16):
-        loss = model(x, y)[1]
-    for hook in hooks:
-        hook.remove()
-    assert seen == [(torch.float16, torch.float16)] * 2
-    with torch.autocast('cpu', torch.float16):
-        h = model.wte(x).to(torch.float16)
-        for block in model.blocks:
-            h = block(h, model.cos[:16], model.sin[:16])
-        logits = model.lm_head(model.norm(h)).float()
-    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), y.reshape(-1)), rtol=1e-6, atol=1e-6)
-
-
-def test_generate_holds_every_stopped_row_until_it_looks(monkeypatch):
-    # Reference: the same seeded draws without stop_token. Between generate's looks (every STOP_CHECK tokens, 5 here)
-    # rows that have all stopped still draw, and each must go on repeating the stop token; checked for every token
-    # that all three rows draw, so that the rows have all stopped at several distances before a look.
-    monkeypatch.setattr(model_module, 'STOP_CHECK', 5)
-    model = tiny_model().eval()
-    prompt = torch.tensor([[3, 4, 5]] * 3)
-
-    def draw(stop):
-        return model.generate(prompt, 30, temperature=1.0, stop_token=stop,
-                              generator=torch.Generator().manual_seed(7)).tolist()
-    full = draw(None)
-    stops = [t for t in range(32) if all(t in row[3:] for row in full)]
-    waits = set()
-    for stop in stops:
-        ends = [row[3:].index(stop) + 1 for row in full]  # tokens up to each row's first stop
-        length = min(30, -(-max(ends) // 5) * 5)  # at the first look after the last row stopped
-        waits.add(length - max(ends))
-        got = draw(stop)
-        assert [len(row) for row in got] == [3 + length] * 3, (stop, ends)
-        for row, end, full_row in zip(got, ends, full):
-            assert row[:3 + end] == full_row[:3 + end] and row[3 + end:] == [stop] * (length - end), (stop, ends)
-    assert waits - {0}  # (some stops leave draws between the last row's stop and the look)
-
-
-def test_sample_whose_first_drawn_token_is_the_end_of_text_token_is_its_prompt_alone(tmp_path, capsys):
-    # Reference: GPT.generate's draws without a stop (as sample.py draws them: 4 samples in one batch, seed 5), cut
-    # here at each row's first eot_token after the prompt, the eot_token being the token the first sample draws
-    # first: that sample prints as its prompt alone, with 24 new tokens and with 1 (where the stop is its last).
-    import sample
-    model, chars = sample_checkpoint(tmp_path)
-    rows = model.generate(torch.tensor([[3, 4, 5]] * 4), 24, temperature=1.0, vocab_limit=32,
-                          generator=torch.Generator().manual_seed(5)).tolist()
-    eot = rows[0][3]
-    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=True)
-    ckpt['meta']['eot_token'] = eot
-    train.save_checkpoint(str(tmp_path / 'eot.pt'), ckpt)
-    for new in 24, 1:
-        sample.main([f'--out_dir={tmp_path}', '--ckpt=eot.pt', '--device=cpu', '--dtype=float32', '--num_samples=4',
-                     f'--max_new_tokens={new}', '--temperature=1', '--top_k=0', '--seed=5', f'--start={chars[3:6]}'])
-        drawn = [row[:3 + new] for row in rows]
-        cut = [row[:3 + row[3:].index(eot)] if eot in row[3:] else row for row in drawn]
-        assert cut[0] == [3, 4, 5]
-        assert capsys.readouterr().out == ''.join(''.join(chars[i] for i in row) + '\n' + '-' * 80 + '\n'
-                                                  for row in cut), new
