@@ -1,7 +1,8 @@
 """
 Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a
 single-process run of the same global batch as the reference: DDP and FSDP2 must log the same per-step
-and eval losses and end with the same weights; checkpoints must resume across process counts (2 -> 1 and
+and eval losses and end with the same weights (DDP's gradients views of its all-reduce buckets, through a spy
+on train_step: GRADIENT_SPY); checkpoints must resume across process counts (2 -> 1 and
 1 -> 2); only process 0 prints, logs and writes in out_dir (every torchrun run is watched for writes of the
 other processes: WORKER); the token counts and tokens/s are the whole job's; eval averages over all processes;
 SIGTERM to the launcher stops both processes at one step with a checkpoint that resumes;
@@ -72,7 +73,26 @@ if rank:
             os.write(note, f'{{event}} {{[os.fsdecode(p) for p in paths]}}\\n'.encode())
     sys.addaudithook(hook)
 sys.path.insert(0, here)
-runpy.run_path(os.path.join(here, 'train.py'), run_name='__main__')
+{entry}'''
+# WORKER's entries: train.py as `python train.py` runs it, or GRADIENT_SPY
+AS_SCRIPT = "runpy.run_path(os.path.join(here, 'train.py'), run_name='__main__')\n"
+# An entry that also notes, after each train_step, what the parameters' gradients are: in <out_dir>.grads-<rank>
+GRADIENT_SPY = '''import json, train
+real, seen = train.train_step, []
+
+def spy(model, *args, **kwargs):
+    out = real(model, *args, **kwargs)
+    grads = [p.grad for p in model.parameters()]
+    kept = [g for g in grads if g is not None]
+    seen.append(dict(params=len(grads), none=len(grads) - len(kept), zero=all(not g.any() for g in kept),
+                     storages=len({g.untyped_storage().data_ptr() for g in kept})))
+    return out
+
+train.train_step = spy
+code = train.main(sys.argv[1:])
+with open(f'{out_dir}.grads-{rank}', 'w') as f:
+    json.dump(seen, f)
+sys.exit(code)
 '''
 
 
@@ -134,7 +154,7 @@ class Launch:
     """train.py in 1 or 2 processes, stdout and stderr together in out_dir.log (a file, not a pipe: a
     pipe nobody reads would block a long run)."""
 
-    def __init__(self, nproc, out_dir, data_dir, *extra, torchrun=None):
+    def __init__(self, nproc, out_dir, data_dir, *extra, torchrun=None, entry=AS_SCRIPT):
         self.out_dir, self.nproc = str(out_dir), nproc
         self.log_path = self.out_dir + '.log'
         via_torchrun = nproc > 1 if torchrun is None else torchrun
@@ -142,7 +162,7 @@ class Launch:
         self.script = self.out_dir + '.worker.py' if self.audited else 'train.py'  # what the workers run
         if self.audited:
             with open(self.script, 'w') as f:
-                f.write(WORKER.format(out_dir=self.out_dir, here=HERE))
+                f.write(WORKER.format(out_dir=self.out_dir, here=HERE, entry=entry))
         launcher = TORCHRUN[:-2] + [f'--nproc_per_node={nproc}', self.script]
         cmd = (launcher if via_torchrun else [sys.executable, 'train.py']) + \
             FLAGS + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *extra]
@@ -192,8 +212,8 @@ class Launch:
         return torch.load(os.path.join(self.out_dir, name), map_location='cpu', weights_only=True)
 
 
-def run(nproc, out_dir, data_dir, *extra, timeout=RUN_TIMEOUT, torchrun=None):
-    return Launch(nproc, out_dir, data_dir, *extra, torchrun=torchrun).wait(timeout)
+def run(nproc, out_dir, data_dir, *extra, timeout=RUN_TIMEOUT, torchrun=None, entry=AS_SCRIPT):
+    return Launch(nproc, out_dir, data_dir, *extra, torchrun=torchrun, entry=entry).wait(timeout)
 
 
 def kind(record):
@@ -362,6 +382,25 @@ def test_two_processes_end_with_the_single_process_weights(par6, single6, accum4
                          f'{p} accum={accum} best.pt model')
     if accum == 4:
         assert_metrics_close(par.metrics(), single.metrics(), where=f'{p} accum=4')
+
+
+@pytest.mark.parametrize('parallelism', ['ddp', 'fsdp'])
+def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(parallelism, root, data):
+    # DDP runs with gradient_as_bucket_view: every gradient is a view of the bucket DDP all-reduces (this model's
+    # 140 KB of gradients fit its first, of 1 MiB: one storage for all of them), zeroed in place after each step
+    # to stay one. Gradients of their own (a second copy of them, in memory and copies per step) or dropped to
+    # None (each step's first backward allocates them again, apart from the buckets) would fail. FSDP drops its
+    # gradients after each step. That the results are the single process's: the tests above.
+    r = run(2, root / f'grads_{parallelism}', data, '--max_iters=3', f'--parallelism={parallelism}',
+            entry=GRADIENT_SPY).check()
+    for rank in range(2):
+        with open(f'{r.out_dir}.grads-{rank}') as f:
+            seen = json.load(f)
+        assert len(seen) == 3, (rank, seen)
+        for step in seen:
+            want = (dict(step, none=0, zero=True, storages=1) if parallelism == 'ddp' else
+                    dict(step, none=step['params'], zero=True, storages=0))
+            assert step == want, (parallelism, rank, seen)
 
 
 # ----------------------------------------------------------------------------------------------------

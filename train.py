@@ -46,7 +46,8 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
   Out of memory in a step or an evaluation: a one-line error with what to change (memory_advice) and the last
   checkpoint (last_checkpoint).
-- torchrun: DDP or FSDP2 (parallelism), gloo on CPU; gradient_accumulation_steps is the global count;
+- torchrun: DDP (its gradients views of its all-reduce buckets: grad_views) or FSDP2 (parallelism), gloo on
+  CPU; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
@@ -763,7 +764,7 @@ def convert_to_fp8(model, recipe, device):
 # a training step, an evaluation
 
 def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_clip, label_smoothing=0.0,
-               grad_sync=lambda last: nullcontext(), window=None):
+               grad_sync=lambda last: nullcontext(), window=None, grad_views=False):
     """One optimizer step over this process's accum_steps micro-batches, each (B, T) micro-batch trained
     as (B * T / window, window) when a window is given (short_block_size: the same tokens, less context).
 
@@ -771,8 +772,10 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
     gradient norm before clipping, as tensors, and whether the step reached the weights. A non-finite
     loss or gradient norm skips the update (with fp16, the GradScaler also skips overflowing steps).
     grad_sync(last) is the context of each micro-step: under DDP/FSDP it all-reduces gradients on the
-    last one only. NOTE: `ok` costs one host-device sync per optimizer step, none per micro-step (fp16's
-    GradScaler adds three after the micro-steps: its scale twice, its found-inf flag).
+    last one only. grad_views: the gradients are views of DDP's all-reduce buckets (gradient_as_bucket_view),
+    zeroed in place after the step, not dropped, so that they stay views. NOTE: `ok` costs one host-device
+    sync per optimizer step, none per micro-step (fp16's GradScaler adds three after the micro-steps: its
+    scale twice, its found-inf flag).
     """
     loss_sum = 0.0
     for micro in range(accum_steps):
@@ -796,7 +799,7 @@ def train_step(model, optimizer, scaler, batches, accum_steps, autocast, grad_cl
         scaler.step(optimizer)
     scaler.update()
     ok = ok and scaler.get_scale() >= scale  # the scaler lowers its scale when it skips a step
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not grad_views)
     return loss_sum, norm, ok
 
 
@@ -814,7 +817,9 @@ def gradients_out_of_cuda_graphs(model, compile_mode, device_type, accum_steps):
     if not (records_cuda_graphs(compile_mode, device_type) and accum_steps > 1):
         return False
     for p in model.parameters():
-        if p.requires_grad:  # p.grad is None until a step's first gradient: train_step zeroes with set_to_none
+        # p.grad is None until a step's first gradient (train_step zeroes with set_to_none), or under DDP until the
+        # first step's all-reduce: from then on a view of its bucket, which each gradient is added into in place
+        if p.requires_grad:
             p.register_hook(lambda grad, p=p: grad.clone() if p.grad is None else grad)
     return True
 
@@ -1228,8 +1233,13 @@ def setup(cfg, argv, device, rank, world):
 
     # ---- parallelism: DDP replicates the model, FSDP2 shards parameters, gradients and optimizer state
     r.wrapped, r.grad_sync, r.parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
+    r.grad_views = False
     if world > 1 and cfg.parallelism == 'ddp':
-        r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None)
+        # gradient_as_bucket_view: each gradient is a view of the bucket DDP all-reduces, not a tensor of its own
+        # copied in and out of it: the gradients' size less memory per process, two copies of them less per step
+        r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None,
+                                  gradient_as_bucket_view=True)
+        r.grad_views = True  # train_step zeroes them in place, so that they stay views
         r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
         r.parallel_note = f'DDP, {world} processes'
     elif world > 1:
@@ -1792,7 +1802,7 @@ def train_loop(r):
                 group['lr'] = lr
             window = window_at(r.iter_num, cfg)
             loss, norm, ok = train_step(r.compiled, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast,
-                                        cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window)
+                                        cfg.grad_clip, cfg.label_smoothing, r.grad_sync, window, r.grad_views)
             r.iter_num, r.tokens = r.iter_num + 1, r.tokens + tokens_per_iter(cfg)
             bad_steps = 0 if ok else bad_steps + 1
             if not ok:
