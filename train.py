@@ -1252,7 +1252,8 @@ def setup(cfg, argv, device, rank, world):
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         r.autocast = nullcontext()
-        # the gradients are reduce-scattered after the last micro-step only
+        # the gradients are reduce-scattered after the last micro-step only; until then FSDP accumulates them whole,
+        # in float32 (reduce_dtype), on every process: less communication, the whole model's gradients in memory
         r.grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
         r.parallel_note = f'FSDP2, {world} processes'
 
