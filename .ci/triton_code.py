@@ -13,9 +13,10 @@ both libraries' internals, which other versions may have moved).
 How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the kernels as for a GPU, with
 triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do
 nothing), so the step's numbers mean nothing: only the code does. model.py's CPU-only paths (RMSNorm's backward,
-attention in float32 under CPU autocast) are switched to what CUDA runs. Where a GPU chooses otherwise, the
-code differs: attention here is the CPU's flash kernel (outside the generated code on any device), whose
-outputs' layout can differ from cuDNN's.
+attention in float32 under CPU autocast) are switched to what CUDA runs, and so is inductor's online softmax
+(online_softmax_here_too). Where a GPU chooses otherwise, the code differs: attention here is the CPU's flash
+kernel (outside the generated code on any device), whose outputs' layout can differ from cuDNN's; inductor's
+mix-order reduction (each norm's weight gradient fused into the norm's backward kernel) is for CUDA devices only.
 With --fp8=tensorwise, the layers train.fp8_layer_filter keeps are torchao's Float8Linear, as train.convert_to_fp8
 makes them on a GPU (needs torchao; rowwise scaling cannot: torch's _scaled_mm takes per-tensor scales only on
 the CPU, and it runs here, as every matmul does).
@@ -28,6 +29,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 
 import torch
 import torch._inductor.async_compile as async_compile
@@ -74,6 +76,18 @@ def fake_h100_driver():
     triton.runtime.driver.set_active(Driver())
 
 
+def online_softmax_here_too():
+    """inductor's online softmax (the maximum and the sum of exponentials in one loop over a row) for this CPU's
+    Triton code as for a GPU's: its pattern's check (post_grad.prepare_softmax_extra_check) takes CUDA and XPU
+    devices only. The check is bound where the pattern was registered, so its code is swapped in place."""
+    from torch._inductor.fx_passes import post_grad
+
+    def check(match):  # run with post_grad's globals: its `config`
+        device_type = match.kwargs['x'].meta['val'].device.type
+        return config.online_softmax and getattr(config, f'{device_type}_backend', None) == 'triton'  # noqa: F821
+    post_grad.prepare_softmax_extra_check.__code__ = check.__code__
+
+
 class NoKernel:
     """Stands in for a compiled kernel: launching it does nothing."""
 
@@ -106,6 +120,10 @@ def main(argv):
     a = configure(DEFAULTS, argv)
     fake_h100_driver()
     inductor_config.cpu_backend = 'triton'
+    online_softmax_here_too()
+    # a cache of its own: inductor's cache keys do not see online_softmax_here_too, so an earlier run's graphs
+    # (in the shared cache, with or without it) would come back as they were
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='triton_code_')
     inductor_config.compile_threads = 1
     inductor_config.benchmark_kernel = True  # each kernel's source then carries kernel_num_gb
     async_compile.AsyncCompile.triton = lambda self, kernel_name, source_code, device_str='cuda': NoKernel()
