@@ -6,7 +6,8 @@ on train_step: GRADIENT_SPY); checkpoints must resume across process counts (2 -
 1 -> 2); only process 0 prints, logs and writes in out_dir (every torchrun run is watched for writes of the
 other processes: WORKER); the token counts and tokens/s are the whole job's; eval averages over all processes;
 SIGTERM to the launcher stops both processes at one step with a checkpoint that resumes;
-gradient_accumulation_steps not divisible by the number of processes is a clear error. Batches' split of
+gradient_accumulation_steps not divisible by the number of processes is a clear error; each of 3 processes has
+its own RNG state, from scratch and resumed from one. Batches' split of
 the windows among processes is checked in-process against the one-process draw.
 
     python -m pytest -q test_distributed.py
@@ -490,6 +491,24 @@ def test_resume_with_dropout_gives_each_process_its_own_rng_state(root, data):
     assert 'at iteration 2' in second.output, second.describe()
     assert_metrics_close(second.metrics(), straight.metrics(), where='dropout resume')
     assert_same_state(second.ckpt(), straight.ckpt(), 'dropout resume')
+
+
+@pytest.mark.parametrize('start', ['scratch', 'resume_1to3'])
+def test_three_processes_each_get_their_own_rng_state(start, root, data, single3):
+    # Reference: the other processes' RNG states, which must all differ (each process draws its own dropout
+    # masks). Seeded seed + rank from scratch; on a resume with more processes than the checkpoint's, each new
+    # process seed + rank + iteration. A seed that tells process 0 from the others but not 1 from 2, which two
+    # processes cannot show, would give processes 1 and 2 the same masks.
+    out = root / f'three_{start}'
+    extra = ['--gradient_accumulation_steps=3', '--max_iters=1']
+    if start == 'resume_1to3':
+        shutil.copytree(single3.out_dir, out)
+        extra = ['--gradient_accumulation_steps=3', '--max_iters=4', '--init_from=resume']
+    r = run(3, out, data, *extra).check()
+    rng = [state['torch'] for state in r.ckpt()['rng']]
+    assert len(rng) == 3, r.describe()
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        assert not torch.equal(rng[i], rng[j]), (start, i, j)
 
 
 # ----------------------------------------------------------------------------------------------------
