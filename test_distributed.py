@@ -47,13 +47,13 @@ FLAGS = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch
          '--dropout=0']
 RUN_TIMEOUT = 300  # seconds; a run here takes 3-10 s, 50 s on a loaded 2-core machine, more with a cold disk
 LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
-# Under torchrun each worker runs train.py (as __main__) through this script, written next to out_dir. Processes
-# other than 0 first install an audit hook that notes in <out_dir>.writes-<rank> each file they open for writing,
-# make, rename, truncate or remove in out_dir: process 0 alone writes there (checkpoints, metrics, the plot, the
-# write probe, an earlier run moved aside, metrics.jsonl cut back on a resume). Two processes writing one file
-# race (one's os.replace finds the other's .tmp gone), and most of the time nothing else shows it. What the hook
-# cannot see: writes from C++ that take a path (torch.save(obj, path): train.py saves through an open file) and
-# calls relative to a directory descriptor.
+# Under torchrun each worker runs train.py (as __main__: AS_SCRIPT, or imported: GRADIENT_SPY) through this script,
+# written next to out_dir. Processes other than 0 first install an audit hook that notes in <out_dir>.writes-<rank>
+# each file they open for writing, make, rename, truncate or remove in out_dir: process 0 alone writes there
+# (checkpoints, metrics, the plot, the write probe, an earlier run moved aside, metrics.jsonl cut back on a resume).
+# Two processes writing one file race (one's os.replace finds the other's .tmp gone), and most of the time nothing
+# else shows it. What the hook cannot see: writes from C++ that take a path (torch.save(obj, path): train.py saves
+# through an open file) and calls relative to a directory descriptor.
 WORKER = '''import os, runpy, sys
 out_dir, here, rank = os.path.abspath({out_dir!r}), {here!r}, int(os.environ['RANK'])
 if rank:
