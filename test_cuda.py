@@ -454,7 +454,7 @@ def warm_up_run(model, iter_num=0, world=1, **cfg):
     call and the evaluation."""
     x, y = batches(1)[0].next()
     return SimpleNamespace(cfg=opt_cfg(compile=True, **cfg), iter_num=iter_num, world=world, model=model,
-                           wrapped=model, device='cpu', device_type='cpu', accum_steps=1,
+                           wrapped=model, grad_views=False, device='cpu', device_type='cpu', accum_steps=1,
                            optimizer=train.configure_optimizer(model, opt_cfg(), 'cpu'),
                            batches=SimpleNamespace(next_batch=(x, y)), autocast=contextlib.nullcontext(),
                            eval_splits={'val': SimpleNamespace(eval_batches=lambda: iter([(x, y, 1)]))})

@@ -77,16 +77,21 @@ sys.path.insert(0, here)
 {entry}'''
 # WORKER's entries: train.py as `python train.py` runs it, or GRADIENT_SPY
 AS_SCRIPT = "runpy.run_path(os.path.join(here, 'train.py'), run_name='__main__')\n"
-# An entry that also notes, after each train_step, what the parameters' gradients are: in <out_dir>.grads-<rank>
+# An entry that also notes, before and after each train_step, what the parameters' gradients are: in
+# <out_dir>.grads-<rank>
 GRADIENT_SPY = '''import json, train
 real, seen = train.train_step, []
 
-def spy(model, *args, **kwargs):
-    out = real(model, *args, **kwargs)
+def gradients(model):
     grads = [p.grad for p in model.parameters()]
     kept = [g for g in grads if g is not None]
-    seen.append(dict(params=len(grads), none=len(grads) - len(kept), zero=all(not g.any() for g in kept),
-                     storages=len({g.untyped_storage().data_ptr() for g in kept})))
+    return dict(params=len(grads), none=len(grads) - len(kept), zero=all(not g.any() for g in kept),
+                storages=len({g.untyped_storage().data_ptr() for g in kept}))
+
+def spy(model, *args, **kwargs):
+    before = gradients(model)
+    out = real(model, *args, **kwargs)
+    seen.append(dict(before=before, after=gradients(model)))
     return out
 
 train.train_step = spy
@@ -385,23 +390,33 @@ def test_two_processes_end_with_the_single_process_weights(par6, single6, accum4
         assert_metrics_close(par.metrics(), single.metrics(), where=f'{p} accum=4')
 
 
-@pytest.mark.parametrize('parallelism', ['ddp', 'fsdp'])
-def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(parallelism, root, data):
+@pytest.mark.parametrize('case', ['ddp', 'ddp_compiled', 'ddp_resumed', 'fsdp'])
+def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data, single3):
     # DDP runs with gradient_as_bucket_view: every gradient is a view of the bucket DDP all-reduces (this model's
-    # 140 KB of gradients fit its first, of 1 MiB: one storage for all of them), zeroed in place after each step
-    # to stay one. Gradients of their own (a second copy of them, in memory and copies per step) or dropped to
-    # None (each step's first backward allocates them again, apart from the buckets) would fail. FSDP drops its
-    # gradients after each step. That the results are the single process's: the tests above.
-    r = run(2, root / f'grads_{parallelism}', data, '--max_iters=3', f'--parallelism={parallelism}',
-            entry=GRADIENT_SPY).check()
+    # 140 KB of gradients fit its first, of 1 MiB: one storage for all of them), zeroed, before the first step
+    # (compiled: after the compile's warm-up; resumed: after the optimizer state's load) and after each step.
+    # Gradients of their own (a second copy beside the buckets), or dropped to None (the next backward would
+    # allocate them again, beside the buckets: DDP alone makes them views at its first all-reduce, after a first
+    # step that holds them twice) would fail. FSDP drops its gradients after each step. With 2 micro-steps per
+    # process, the first one's gradients are added into the views (no_sync). That the results are the single
+    # process's: the tests above.
+    out, extra = root / f'grads_{case}', ['--gradient_accumulation_steps=4', '--max_iters=3']
+    if case == 'ddp_compiled':
+        extra.append('--compile=True')
+    if case == 'ddp_resumed':
+        shutil.copytree(single3.out_dir, out)
+        extra = ['--max_iters=5', '--init_from=resume']
+    parallelism = 'fsdp' if case == 'fsdp' else 'ddp'
+    r = run(2, out, data, *extra, f'--parallelism={parallelism}', entry=GRADIENT_SPY).check()
     for rank in range(2):
         with open(f'{r.out_dir}.grads-{rank}') as f:
             seen = json.load(f)
-        assert len(seen) == 3, (rank, seen)
+        assert len(seen) == (2 if case == 'ddp_resumed' else 3), (rank, seen)
         for step in seen:
-            want = (dict(step, none=0, zero=True, storages=1) if parallelism == 'ddp' else
-                    dict(step, none=step['params'], zero=True, storages=0))
-            assert step == want, (parallelism, rank, seen)
+            for when, grads in step.items():
+                want = (dict(grads, none=0, zero=True, storages=1) if parallelism == 'ddp' else
+                        dict(grads, none=grads['params'], zero=True, storages=0))
+                assert grads == want, (case, rank, when, seen)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -687,7 +687,14 @@ def load_optimizer_state(r, state):
             optimizer.d_param_groups = optimizer.d_opt.param_groups
     else:
         paged = [make_paged_state(opt) for opt in opts]
+        # set_optimizer_state_dict makes the state it loads into by a zero-gradient step, and only where no
+        # parameter has a gradient: DDP's (its bucket views) are set aside meanwhile, then put back, still views
+        grads = [p.grad for p in r.model.parameters()]
+        for p in r.model.parameters():
+            p.grad = None
         set_optimizer_state_dict(r.model, opts, state, options=FULL_STATE)
+        for p, grad in zip(r.model.parameters(), grads):
+            p.grad = grad
         for opt, buffers in zip(opts, paged):
             restore_paged_state(opt, buffers)
     for group, setting in zip(optimizer.param_groups, settings):
@@ -817,8 +824,8 @@ def gradients_out_of_cuda_graphs(model, compile_mode, device_type, accum_steps):
     if not (records_cuda_graphs(compile_mode, device_type) and accum_steps > 1):
         return False
     for p in model.parameters():
-        # p.grad is None until a step's first gradient (train_step zeroes with set_to_none), or under DDP until the
-        # first step's all-reduce: from then on a view of its bucket, which each gradient is added into in place
+        # p.grad is None until a step's first gradient (train_step zeroes with set_to_none); under DDP it is a view
+        # of its bucket throughout, which each gradient is added into in place: nothing to copy
         if p.requires_grad:
             p.register_hook(lambda grad, p=p: grad.clone() if p.grad is None else grad)
     return True
@@ -1236,10 +1243,14 @@ def setup(cfg, argv, device, rank, world):
     r.grad_views = False
     if world > 1 and cfg.parallelism == 'ddp':
         # gradient_as_bucket_view: each gradient is a view of the bucket DDP all-reduces, not a tensor of its own
-        # copied in and out of it: the gradients' size less memory per process, two copies of them less per step
+        # beside it: the gradients' size less memory per process. Zero gradients given now become views as DDP
+        # builds its buckets (else at its first all-reduce, after a first step that holds them twice); from then
+        # on nothing sets them to None (grad_views: train_step, compile_model and load_optimizer_state)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
         r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None,
                                   gradient_as_bucket_view=True)
-        r.grad_views = True  # train_step zeroes them in place, so that they stay views
+        r.grad_views = True
         r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
         r.parallel_note = f'DDP, {world} processes'
     elif world > 1:
@@ -1549,7 +1560,8 @@ def compile_model(r):
             for window in [x.size(1)] + sorted(windows - {x.size(1)}):  # block_size first
                 with r.autocast:
                     compiled(*in_windows(x, y, window), label_smoothing=cfg.label_smoothing)[1].backward()
-                r.optimizer.zero_grad(set_to_none=True)  # no gradient kept across calls (CUDA graphs: see above)
+                # no gradient kept across calls (CUDA graphs: see above); DDP's bucket views zeroed in place
+                r.optimizer.zero_grad(set_to_none=not r.grad_views)
             compiled.eval()
             with torch.no_grad(), r.autocast:
                 for batch in eval_warm_up(r.eval_splits):  # their strides are not the training batches' (Windows)
@@ -1565,7 +1577,8 @@ def compile_model(r):
               f"{type(e).__name__}: {str(e)[:2000]}\n{bar}", file=sys.stderr)
         r.model.train()
         compiled, note = r.wrapped, 'FAILED, running eager (see the warning above)'
-    r.optimizer.zero_grad(set_to_none=True)  # the warm-up's gradients: the first step starts from none
+    # the warm-up's gradients: the first step starts from none (under DDP from zeroed bucket views)
+    r.optimizer.zero_grad(set_to_none=not r.grad_views)
     return compiled, note
 
 
