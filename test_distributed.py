@@ -1,13 +1,13 @@
 """
 Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a
 single-process run of the same global batch as the reference: DDP and FSDP2 must log the same per-step
-and eval losses and end with the same weights (DDP's gradients views of its all-reduce buckets, through a spy
-on train_step: GRADIENT_SPY); checkpoints must resume across process counts (2 -> 1 and
+and eval losses and end with the same weights (under DDP the gradients are views of its all-reduce buckets: a spy
+on train_step, GRADIENT_SPY); checkpoints must resume across process counts (2 -> 1 and
 1 -> 2); only process 0 prints, logs and writes in out_dir (every torchrun run is watched for writes of the
 other processes: WORKER); the token counts and tokens/s are the whole job's; eval averages over all processes;
 SIGTERM to the launcher stops both processes at one step with a checkpoint that resumes;
 gradient_accumulation_steps not divisible by the number of processes is a clear error; each of 3 processes has
-its own RNG state, from scratch and resumed from one. Batches' split of
+its own RNG state, from scratch and resumed from a 1-process checkpoint. Batches' split of
 the windows among processes is checked in-process against the one-process draw.
 
     python -m pytest -q test_distributed.py
@@ -85,8 +85,10 @@ real, seen = train.train_step, []
 def gradients(model):
     grads = [p.grad for p in model.parameters()]
     kept = [g for g in grads if g is not None]
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in kept}
     return dict(params=len(grads), none=len(grads) - len(kept), zero=all(not g.any() for g in kept),
-                storages=len({g.untyped_storage().data_ptr() for g in kept}))
+                storages=len(storages), storage_bytes=sum(storages.values()),
+                grad_bytes=sum(g.numel() * g.element_size() for g in kept))
 
 def spy(model, *args, **kwargs):
     before = gradients(model)
@@ -393,7 +395,8 @@ def test_two_processes_end_with_the_single_process_weights(par6, single6, accum4
 @pytest.mark.parametrize('case', ['ddp', 'ddp_compiled', 'ddp_resumed', 'fsdp'])
 def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data, single3):
     # DDP runs with gradient_as_bucket_view: every gradient is a view of the bucket DDP all-reduces (this model's
-    # 140 KB of gradients fit its first, of 1 MiB: one storage for all of them), zeroed, before the first step
+    # 140 KB of gradients fit its first, of 1 MiB: one storage for all of them, of their size), zeroed, before the
+    # first step
     # (compiled: after the compile's warm-up; resumed: after the optimizer state's load) and after each step.
     # Gradients of their own (a second copy beside the buckets), or dropped to None (the next backward would
     # allocate them again, beside the buckets: DDP alone makes them views at its first all-reduce, after a first
@@ -405,7 +408,7 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
         extra.append('--compile=True')
     if case == 'ddp_resumed':
         shutil.copytree(single3.out_dir, out)
-        extra = ['--max_iters=5', '--init_from=resume']
+        extra = ['--gradient_accumulation_steps=4', '--max_iters=5', '--init_from=resume']
     parallelism = 'fsdp' if case == 'fsdp' else 'ddp'
     r = run(2, out, data, *extra, f'--parallelism={parallelism}', entry=GRADIENT_SPY).check()
     for rank in range(2):
@@ -414,8 +417,9 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
         assert len(seen) == (2 if case == 'ddp_resumed' else 3), (rank, seen)
         for step in seen:
             for when, grads in step.items():
-                want = (dict(grads, none=0, zero=True, storages=1) if parallelism == 'ddp' else
-                        dict(grads, none=grads['params'], zero=True, storages=0))
+                want = (dict(grads, none=0, zero=True, storages=1, storage_bytes=grads['grad_bytes'])
+                        if parallelism == 'ddp' else
+                        dict(grads, none=grads['params'], zero=True, storages=0, storage_bytes=0, grad_bytes=0))
                 assert grads == want, (case, rank, when, seen)
 
 
@@ -509,15 +513,16 @@ def test_resume_with_dropout_gives_each_process_its_own_rng_state(root, data):
 
 
 @pytest.mark.parametrize('start', ['scratch', 'resume_1to3'])
-def test_three_processes_each_get_their_own_rng_state(start, root, data, single3):
-    # Reference: the other processes' RNG states, which must all differ (each process draws its own dropout
-    # masks). Seeded seed + rank from scratch; on a resume with more processes than the checkpoint's, each new
-    # process seed + rank + iteration. A seed that tells process 0 from the others but not 1 from 2, which two
-    # processes cannot show, would give processes 1 and 2 the same masks.
+def test_three_processes_each_get_their_own_rng_state(start, root, data, request):
+    # Reference: the other processes' RNG states in the checkpoint, which must all differ: each process draws its
+    # own dropout masks from its own (these runs have dropout 0, so only the states are compared). Seeded seed +
+    # rank from scratch; on a resume with more processes than the checkpoint's, each new process seed + rank +
+    # iteration. A seed that tells process 0 from the others but not 1 from 2, which two processes cannot show,
+    # would give processes 1 and 2 the same masks.
     out = root / f'three_{start}'
     extra = ['--gradient_accumulation_steps=3', '--max_iters=1']
     if start == 'resume_1to3':
-        shutil.copytree(single3.out_dir, out)
+        shutil.copytree(request.getfixturevalue('single3').out_dir, out)
         extra = ['--gradient_accumulation_steps=3', '--max_iters=4', '--init_from=resume']
     r = run(3, out, data, *extra).check()
     rng = [state['torch'] for state in r.ckpt()['rng']]

@@ -46,8 +46,8 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
   Out of memory in a step or an evaluation: a one-line error with what to change (memory_advice) and the last
   checkpoint (last_checkpoint).
-- torchrun: DDP (its gradients views of its all-reduce buckets: grad_views) or FSDP2 (parallelism), gloo on
-  CPU; gradient_accumulation_steps is the global count;
+- torchrun: DDP or FSDP2 (parallelism), gloo on CPU; under DDP the gradients are views of its all-reduce
+  buckets (grad_views); gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
@@ -687,14 +687,7 @@ def load_optimizer_state(r, state):
             optimizer.d_param_groups = optimizer.d_opt.param_groups
     else:
         paged = [make_paged_state(opt) for opt in opts]
-        # set_optimizer_state_dict makes the state it loads into by a zero-gradient step, and only where no
-        # parameter has a gradient: DDP's (its bucket views) are set aside meanwhile, then put back, still views
-        grads = [p.grad for p in r.model.parameters()]
-        for p in r.model.parameters():
-            p.grad = None
         set_optimizer_state_dict(r.model, opts, state, options=FULL_STATE)
-        for p, grad in zip(r.model.parameters(), grads):
-            p.grad = grad
         for opt, buffers in zip(opts, paged):
             restore_paged_state(opt, buffers)
     for group, setting in zip(optimizer.param_groups, settings):
@@ -1238,22 +1231,11 @@ def setup(cfg, argv, device, rank, world):
                           "in bfloat16 or float32, with grad_clip=0 (the gradients are copied to the CPU during "
                           "the backward pass, before they could be clipped)")
 
-    # ---- parallelism: DDP replicates the model, FSDP2 shards parameters, gradients and optimizer state
+    # ---- parallelism: FSDP2 shards parameters, gradients and optimizer state (here, before the weights load into
+    # its shards); DDP replicates the model (below, once the checkpoint is loaded and freed)
     r.wrapped, r.grad_sync, r.parallel_note = model, (lambda last: nullcontext()), 'off (one process)'
     r.grad_views = False
-    if world > 1 and cfg.parallelism == 'ddp':
-        # gradient_as_bucket_view: each gradient is a view of the bucket DDP all-reduces, not a tensor of its own
-        # beside it: the gradients' size less memory per process. Zero gradients given now become views as DDP
-        # builds its buckets (else at its first all-reduce, after a first step that holds them twice); from then
-        # on nothing sets them to None (grad_views: train_step, compile_model and load_optimizer_state)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None,
-                                  gradient_as_bucket_view=True)
-        r.grad_views = True
-        r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
-        r.parallel_note = f'DDP, {world} processes'
-    elif world > 1:
+    if world > 1 and cfg.parallelism == 'fsdp':
         if r.dtype == 'float16':
             raise ConfigError("parallelism='fsdp' runs in bfloat16 or float32, not float16: set dtype")
         # FSDP's mixed-precision policy computes in ptdtype and reduces gradients in float32; it takes the
@@ -1274,6 +1256,18 @@ def setup(cfg, argv, device, rank, world):
     if ckpt is not None and ckpt['optimizer'] is not None:
         load_optimizer_state(r, ckpt['optimizer'])
     del ckpt  # free its memory
+    if world > 1 and cfg.parallelism == 'ddp':
+        # gradient_as_bucket_view: each gradient is a view of the bucket DDP all-reduces, not a tensor of its own
+        # beside it: the gradients' size less memory per process. Zero gradients given now become views as DDP
+        # builds its buckets (else at its first all-reduce, after a first step that holds them twice); from then
+        # on nothing sets them to None (grad_views: train_step, compile_model)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None,
+                                  gradient_as_bucket_view=True)
+        r.grad_views = True
+        r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
+        r.parallel_note = f'DDP, {world} processes'
     r.compiled, r.compile_note = compile_model(r)
     r.wandb = start_wandb(r)
     return r

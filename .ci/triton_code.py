@@ -25,6 +25,7 @@ launches and the MB each launch moves by inductor's own estimate; then the micro
 takes at the given bandwidth: an estimate of the Triton kernels' time, not a measurement (inductor counts a value
 read twice as twice the bytes, so it errs high where the cache holds the second read).
 """
+import atexit
 import os
 import re
 import shutil
@@ -123,7 +124,8 @@ def main(argv):
     online_softmax_here_too()
     # a cache of its own: inductor's cache keys do not see online_softmax_here_too, so an earlier run's graphs
     # (in the shared cache, with or without it) would come back as they were
-    os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='triton_code_')
+    cache = os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='triton_code_')
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)  # the modules worth keeping are copied to --out
     inductor_config.compile_threads = 1
     inductor_config.benchmark_kernel = True  # each kernel's source then carries kernel_num_gb
     async_compile.AsyncCompile.triton = lambda self, kernel_name, source_code, device_str='cuda': NoKernel()
