@@ -352,10 +352,12 @@ def run_rung(s, env, timed=nullcontext):
                             env.gradient_accumulation_steps)
     if env.stage_data:
         batches = StagedBatches(batches, env.gradient_accumulation_steps)
+    # the learning rate: train.get_lr's warm-up (none at lr_warmup=0), then constant (a decay to min_lr=learning_rate)
+    schedule = SimpleNamespace(**{**vars(cfg), 'warmup_iters': env.lr_warmup, 'min_lr': cfg.learning_rate})
     count = itertools.count()
 
-    def step():  # the learning rate: train.get_lr's warm-up (none at lr_warmup=0), then constant
-        lr = cfg.learning_rate * min(1.0, (next(count) + 1) / (env.lr_warmup + 1))
+    def step():
+        lr = train.get_lr(next(count), schedule)
         for group in optimizer.param_groups:
             group['lr'] = lr
         return train.train_step(net, optimizer, scaler, batches, env.gradient_accumulation_steps, autocast,

@@ -1907,4 +1907,3 @@ def test_valid_edge_values_still_run(data, tmp_path, edge):
         assert lrs[0] == pytest.approx(1e-2, rel=1e-12)
     if edge == 'min_lr=learning_rate':  # warmup over 2 iterations, then constant
         assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2], rel=1e-12)
-
