@@ -1,8 +1,9 @@
 """
 Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a
 single-process run of the same global batch as the reference: DDP and FSDP2 must log the same per-step
-and eval losses and end with the same weights (under DDP the gradients are views of its all-reduce buckets: a spy
-on train_step, GRADIENT_SPY); checkpoints must resume across process counts (2 -> 1 and
+and eval losses and end with the same weights (under DDP the gradients are views of its all-reduce buckets, and a
+step broadcasts nothing; FSDP gathers each block's weights twice per micro-step, the last one's once: a spy on train_step,
+GRADIENT_SPY); checkpoints must resume across process counts (2 -> 1 and
 1 -> 2); only process 0 prints, logs and writes in out_dir (every torchrun run is watched for writes of the
 other processes: WORKER); the token counts and tokens/s are the whole job's; eval averages over all processes;
 SIGTERM to the launcher stops both processes at one step with a checkpoint that resumes;
@@ -77,10 +78,21 @@ sys.path.insert(0, here)
 {entry}'''
 # WORKER's entries: train.py as `python train.py` runs it, or GRADIENT_SPY
 AS_SCRIPT = "runpy.run_path(os.path.join(here, 'train.py'), run_name='__main__')\n"
-# An entry that also notes, before and after each train_step, what the parameters' gradients are: in
-# <out_dir>.grads-<rank>
+# An entry that also notes, before and after each train_step, what the parameters' gradients are, and how many
+# all-gathers FSDP2 made in the step: in <out_dir>.grads-<rank>
 GRADIENT_SPY = '''import json, train
-real, seen = train.train_step, []
+import torch.distributed as dist
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+real, seen, sent = train.train_step, [], dict(gathers=0, broadcasts=0)
+real_gather, real_broadcast = fsdp_group.foreach_all_gather, dist._broadcast_coalesced
+
+def gather(*args, **kwargs):  # one call: the parameters of one fully_shard module gathered whole
+    sent['gathers'] += 1
+    return real_gather(*args, **kwargs)
+
+def broadcast(*args, **kwargs):  # DDP's: the weights from process 0 as it is built, its buffers before a forward
+    sent['broadcasts'] += 1
+    return real_broadcast(*args, **kwargs)
 
 def gradients(model):
     grads = [p.grad for p in model.parameters()]
@@ -91,12 +103,12 @@ def gradients(model):
                 grad_bytes=sum(g.numel() * g.element_size() for g in kept))
 
 def spy(model, *args, **kwargs):
-    before = gradients(model)
+    before, was = gradients(model), dict(sent)
     out = real(model, *args, **kwargs)
-    seen.append(dict(before=before, after=gradients(model)))
+    seen.append(dict(before=before, after=gradients(model), **{k: sent[k] - was[k] for k in sent}))
     return out
 
-train.train_step = spy
+train.train_step, fsdp_group.foreach_all_gather, dist._broadcast_coalesced = spy, gather, broadcast
 code = train.main(sys.argv[1:])
 with open(f'{out_dir}.grads-{rank}', 'w') as f:
     json.dump(seen, f)
@@ -403,6 +415,11 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
     # step that holds them twice) would fail. FSDP drops its gradients after each step. With 2 micro-steps per
     # process, the first one's gradients are added into the views (no_sync). That the results are the single
     # process's: the tests above.
+    # FSDP gathers each block's weights for its forward and again for its backward, all but the last block's, whose
+    # backward follows its forward (reshard_after_forward=False), and the root's (embeddings, final norm, head) once:
+    # n_layer + 1 + n_layer - 1 all-gathers per micro-step (resharding the last block too would make one more). DDP
+    # broadcasts nothing during a step: RoPE's tables, the model's only buffers, are the same in every process (by
+    # default DDP would send process 0's before the forward of each step's last micro-step)
     out, extra = root / f'grads_{case}', ['--gradient_accumulation_steps=4', '--max_iters=3']
     if case == 'ddp_compiled':
         extra.append('--compile=True')
@@ -415,6 +432,9 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
         with open(f'{r.out_dir}.grads-{rank}') as f:
             seen = json.load(f)
         assert len(seen) == (2 if case == 'ddp_resumed' else 3), (rank, seen)
+        n_layer, micro_steps = int(FLAGS[0].removeprefix('--n_layer=')), 2  # 4 micro-batches a step, 2 per process
+        sent = [(step.pop('gathers'), step.pop('broadcasts')) for step in seen]
+        assert sent == [(0 if parallelism == 'ddp' else micro_steps * 2 * n_layer, 0)] * len(seen), (case, rank, seen)
         for step in seen:
             for when, grads in step.items():
                 want = (dict(grads, none=0, zero=True, storages=1, storage_bytes=grads['grad_bytes'])

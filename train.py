@@ -1241,9 +1241,10 @@ def setup(cfg, argv, device, rank, world):
         # FSDP's mixed-precision policy computes in ptdtype and reduces gradients in float32; it takes the
         # place of autocast
         policy = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        for i, block in enumerate(model.blocks):  # the last block's backward follows its forward (only the final
+            # norm, the head and the loss between): kept whole after its forward, it is not gathered again for it
+            fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(model.blocks) - 1)
+        fully_shard(model, mp_policy=policy)  # the root's weights (embeddings, head) stay whole until the backward
         r.autocast = nullcontext()
         # the gradients are reduce-scattered after the last micro-step only; until then FSDP accumulates them whole,
         # in float32 (reduce_dtype), on every process: less communication, the whole model's gradients in memory
@@ -1263,8 +1264,10 @@ def setup(cfg, argv, device, rank, world):
         # on nothing sets them to None (grad_views: train_step, compile_model)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
+        # broadcast_buffers=False: the model's buffers (RoPE's tables) are computed alike in every process and never
+        # change, so DDP need not send process 0's before each step's forward
         r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None,
-                                  gradient_as_bucket_view=True)
+                                  gradient_as_bucket_view=True, broadcast_buffers=False)
         r.grad_views = True
         r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
         r.parallel_note = f'DDP, {world} processes'
