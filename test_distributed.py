@@ -1,15 +1,14 @@
 """
-Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a
-single-process run of the same global batch as the reference: DDP and FSDP2 must log the same per-step
-and eval losses and end with the same weights (under DDP the gradients are views of its all-reduce buckets, and a
-step broadcasts nothing; FSDP gathers each block's weights twice per micro-step, the last one's once: a spy on train_step,
-GRADIENT_SPY); checkpoints must resume across process counts (2 -> 1 and
-1 -> 2); only process 0 prints, logs and writes in out_dir (every torchrun run is watched for writes of the
-other processes: WORKER); the token counts and tokens/s are the whole job's; eval averages over all processes;
-SIGTERM to the launcher stops both processes at one step with a checkpoint that resumes;
-gradient_accumulation_steps not divisible by the number of processes is a clear error; each of 3 processes has
-its own RNG state, from scratch and resumed from a 1-process checkpoint. Batches' split of
-the windows among processes is checked in-process against the one-process draw.
+Multi-process tests for train.py under torchrun (2 processes, gloo on the CPU), each against a single-process run of
+the same global batch as the reference: DDP and FSDP2 must log the same per-step and eval losses and end with the
+same weights (under DDP the gradients are views of its all-reduce buckets, and a step broadcasts nothing; FSDP
+gathers each block's weights twice per micro-step, the last one's once: a spy on train_step, GRADIENT_SPY);
+checkpoints must resume across process counts (2 -> 1 and 1 -> 2); only process 0 prints, logs and writes in out_dir
+(every torchrun run is watched for writes of the other processes: WORKER); the token counts and tokens/s are the
+whole job's; eval averages over all processes; SIGTERM to the launcher stops both processes at one step with a
+checkpoint that resumes; gradient_accumulation_steps not divisible by the number of processes is a clear error; each
+of 3 processes has its own RNG state, from scratch and resumed from a 1-process checkpoint. Batches' split of the
+windows among processes is checked in-process against the one-process draw.
 
     python -m pytest -q test_distributed.py
 
