@@ -1,17 +1,18 @@
 """
-Tests for the optimizer and precision branches of train.py and model.py: bitsandbytes' 8-bit AdamW, Muon
-(the project's Muon on the blocks' matrices, AdamW on the rest; checked against torch.optim.Muon; its
-Newton-Schulz dtype), the precision each device gets (pick_dtype), the errors for a missing or broken
-bitsandbytes, FP8 on a machine without it, the FP8 layer filter, selective activation checkpointing, and
-the option combinations that are refused. Each is checked against a reference computed here without the
-code under test: an uninterrupted run for resume, byte counts from the parameter shapes, a Newton-Schulz
-step written from the Muon paper, the layer sizes of the docstring's rule worked out by hand, the
-operators that autograd runs in backward, and so on. CPU, float32, tiny models; under ~90 s on 2 cores.
+Tests for the optimizer and precision branches of train.py and model.py: bitsandbytes' 8-bit AdamW, Muon (the
+project's Muon on the blocks' matrices, AdamW on the rest; checked against torch.optim.Muon; its Newton-Schulz
+dtype), the precision each device gets (pick_dtype), the errors for a missing or broken bitsandbytes, FP8 on a
+machine without it, the FP8 layer filter and what its layers compute, selective activation checkpointing, and
+the option combinations that are refused. Each is checked against a reference computed here without the code
+under test: an uninterrupted run for resume, byte counts from the parameter shapes, a Newton-Schulz step
+written from the Muon paper, the layer sizes of the docstring's rule worked out by hand, the operators that
+autograd runs in backward, and so on. CPU, float32, tiny models; under ~90 s on 2 cores.
 
     python -m pytest -q test_optim.py
 """
 import collections
 import contextlib
+import copy
 import io
 import math
 import os
@@ -640,6 +641,40 @@ def test_fp8_filter_rejects_dims_not_multiple_of_16_and_the_head(recipe):
     assert not keep(odd_in, 'blocks.0.mlp.up') and not keep(odd_out, 'blocks.0.mlp.up')
     assert not keep(big, 'lm_head')
     assert not keep(emb, 'wte')
+
+
+def test_fp8_layers_cast_the_weight_to_bf16_first_under_compile(monkeypatch):
+    # Reference: torchao's own Float8Linear. Under compile and autocast, train.py's FP8 layer computes what it
+    # computes from a bfloat16 copy of the weight (as FSDP's bf16 policy hands it over): the same output and weight
+    # gradient (in float32 here), to the bit. In eager it computes what it computes from the float32 weight. The two
+    # differ (the FP8 scale and values come from the rounded weight: checked), so a layer that cast in eager too,
+    # or not under compile, fails. The input is bf16 already (torchao casts it under CUDA's autocast only).
+    float8 = pytest.importorskip('torchao.float8')
+    from torchao.float8.float8_linear import Float8Linear
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (9, 0))  # FP8 runs on this CPU
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(64, 1040, bias=False))  # N > 1024: tensorwise keeps it
+    torchaos = copy.deepcopy(ours)
+    assert train.convert_to_fp8(ours, 'tensorwise', 'cuda') == ['0']
+    float8.convert_to_float8_training(torchaos, config=float8.Float8LinearConfig.from_recipe_name('tensorwise'))
+    assert type(torchaos[0]) is Float8Linear and isinstance(ours[0], Float8Linear) and type(ours[0]) is not Float8Linear
+    from_bf16 = copy.deepcopy(torchaos)
+    from_bf16[0].weight = nn.Parameter(torchaos[0].weight.detach().to(torch.bfloat16))
+    x = torch.randn(32, 64).to(torch.bfloat16)
+
+    def run(model, compiled):
+        model = copy.deepcopy(model)
+        torch._dynamo.reset()
+        with torch.autocast('cpu', torch.bfloat16):
+            y = (torch.compile(model, backend='aot_eager', fullgraph=True) if compiled else model)(x)
+        y.float().square().sum().backward()
+        return y, model[0].weight.grad.float()
+
+    for compiled, want in ((True, run(from_bf16, True)), (False, run(torchaos, False))):
+        got = run(ours, compiled)
+        assert got[1].dtype == torch.float32 and got[1].is_contiguous()
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), compiled
+    assert not torch.equal(run(from_bf16, True)[1], run(torchaos, True)[1])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
   (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
   muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
-- FP8 (convert_to_fp8, fp8_layer_filter): torchao float8 training of the large linear layers.
+- FP8 (convert_to_fp8, fp8_layer_filter, cast_first): torchao float8 training of the large linear layers.
 - autocast_residual: the residual stream in autocast's dtype (model.autocast_residual).
 - activation checkpointing (full or selective), torch.compile (every shape of a step or an evaluation
   compiled before training: in_windows, eval_warm_up; loud fallback to eager if it fails, a stop with advice
@@ -744,7 +744,7 @@ def fp8_layer_filter(recipe):
 
 
 def convert_to_fp8(model, recipe, device):
-    """Swap the layers fp8_layer_filter keeps for torchao's Float8Linear; returns their names."""
+    """Swap the layers fp8_layer_filter keeps for torchao's Float8Linear (made cast_first); returns their names."""
     device = torch.device(device)
     if device.type != 'cuda' or torch.cuda.get_device_capability(device) < (8, 9):
         where = torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type
@@ -752,12 +752,39 @@ def convert_to_fp8(model, recipe, device):
                          f"RTX 4090, ...); this run is on {where}. Set fp8=False")
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
     except ImportError as e:
         raise TrainError(f"fp8=True needs torchao ({e}): `pip install torchao`") from None
     keep = fp8_layer_filter(recipe)
     names = [fqn for fqn, module in model.named_modules() if keep(module, fqn)]
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
+    cast_first_class = cast_first(Float8Linear)
+    for module in model.modules():
+        if type(module) is Float8Linear:
+            module.__class__ = cast_first_class
     return names
+
+
+def cast_first(Float8Linear):
+    """torchao's Float8Linear, whose weight, under compile and autocast, is cast to autocast's dtype before torchao's
+    FP8 matmul gets it, as FSDP's bf16 policy hands it over. Given the float32 weight, the compiled backward casts the
+    weight's gradient to float32 transposed, then copies it back: one more float32 read and write of every FP8
+    weight per micro-step (405 MB per block at 1.01B: .ci/triton_code.py's code for an H100, BENCHMARKS.md); given
+    bf16, one cast. The FP8 values and scales then come from the bf16 weight (as under FSDP). In eager, the bf16
+    copy would be saved for the backward (2 bytes per weight), so there the layer is torchao's as it is."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    class CastFirst(Float8Linear):
+        def forward(self, input):
+            device = input.device.type
+            if not (torch.compiler.is_compiling() and torch.is_autocast_enabled(device)):
+                return super().forward(input)
+            dtype = torch.get_autocast_dtype(device)
+            output = matmul_with_hp_or_float8_args.apply(input.to(dtype), self.weight.to(dtype).t(),
+                                                         self.linear_mm_config, self.config)
+            return output if self.bias is None else output + self.bias.to(output.dtype)
+    CastFirst.__name__ = CastFirst.__qualname__ = f'{Float8Linear.__name__}CastFirst'
+    return CastFirst
 
 
 # ----------------------------------------------------------------------------------------------------
