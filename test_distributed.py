@@ -82,15 +82,16 @@ AS_SCRIPT = "runpy.run_path(os.path.join(here, 'train.py'), run_name='__main__')
 GRADIENT_SPY = '''import json, train
 import torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
-real, seen, sent = train.train_step, [], dict(gathers=0, broadcasts=0)
+real, seen, gathered, broadcasts = train.train_step, [], [], [0]
 real_gather, real_broadcast = fsdp_group.foreach_all_gather, dist._broadcast_coalesced
 
-def gather(*args, **kwargs):  # one call: the parameters of one fully_shard module gathered whole
-    sent['gathers'] += 1
-    return real_gather(*args, **kwargs)
+def gather(fsdp_params, *args, **kwargs):  # the parameters of one fully_shard module gathered whole: which one
+    fqn = fsdp_params[0]._param_fqn
+    gathered.append('.'.join(fqn.split('.')[:2]) if fqn.startswith('blocks.') else 'root')
+    return real_gather(fsdp_params, *args, **kwargs)
 
 def broadcast(*args, **kwargs):  # DDP's: the weights from process 0 as it is built, its buffers before a forward
-    sent['broadcasts'] += 1
+    broadcasts[0] += 1
     return real_broadcast(*args, **kwargs)
 
 def gradients(model):
@@ -102,9 +103,10 @@ def gradients(model):
                 grad_bytes=sum(g.numel() * g.element_size() for g in kept))
 
 def spy(model, *args, **kwargs):
-    before, was = gradients(model), dict(sent)
+    before, gathers, sent = gradients(model), len(gathered), broadcasts[0]
     out = real(model, *args, **kwargs)
-    seen.append(dict(before=before, after=gradients(model), **{k: sent[k] - was[k] for k in sent}))
+    seen.append(dict(before=before, after=gradients(model), gathers=gathered[gathers:],
+                     broadcasts=broadcasts[0] - sent))
     return out
 
 train.train_step, fsdp_group.foreach_all_gather, dist._broadcast_coalesced = spy, gather, broadcast
@@ -416,7 +418,8 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
     # process's: the tests above.
     # FSDP gathers each block's weights for its forward and again for its backward, all but the last block's, whose
     # backward follows its forward (reshard_after_forward=False), and the root's (embeddings, final norm, head) once:
-    # n_layer + 1 + n_layer - 1 all-gathers per micro-step (resharding the last block too would make one more). DDP
+    # the root, blocks 0 to n_layer - 1, then n_layer - 2 down to 0, each micro-step (resharding the last block too
+    # would gather it once more; keeping another block whole, another block would be missing). DDP
     # broadcasts nothing during a step: RoPE's tables, the model's only buffers, are the same in every process (by
     # default DDP would send process 0's before the forward of each step's last micro-step)
     out, extra = root / f'grads_{case}', ['--gradient_accumulation_steps=4', '--max_iters=3']
@@ -432,8 +435,10 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
             seen = json.load(f)
         assert len(seen) == (2 if case == 'ddp_resumed' else 3), (rank, seen)
         n_layer, micro_steps = int(FLAGS[0].removeprefix('--n_layer=')), 2  # 4 micro-batches a step, 2 per process
+        blocks = [f'blocks.{i}' for i in range(n_layer)]
+        micro_step = ['root', *blocks, *blocks[-2::-1]] if parallelism == 'fsdp' else []
         sent = [(step.pop('gathers'), step.pop('broadcasts')) for step in seen]
-        assert sent == [(0 if parallelism == 'ddp' else micro_steps * 2 * n_layer, 0)] * len(seen), (case, rank, seen)
+        assert sent == [(micro_step * micro_steps, 0)] * len(seen), (case, rank, seen)
         for step in seen:
             for when, grads in step.items():
                 want = (dict(grads, none=0, zero=True, storages=1, storage_bytes=grads['grad_bytes'])

@@ -643,12 +643,14 @@ def test_fp8_filter_rejects_dims_not_multiple_of_16_and_the_head(recipe):
     assert not keep(emb, 'wte')
 
 
-def test_fp8_layers_cast_the_weight_to_bf16_first_under_compile(monkeypatch):
+def test_fp8_layers_cast_the_weight_to_autocasts_dtype_first_under_compile(monkeypatch):
     # Reference: torchao's own Float8Linear. Under compile and autocast, train.py's FP8 layer computes what it
-    # computes from a bfloat16 copy of the weight (as FSDP's bf16 policy hands it over): the same output and weight
-    # gradient (in float32 here), to the bit. In eager it computes what it computes from the float32 weight. The two
-    # differ (the FP8 scale and values come from the rounded weight: checked), so a layer that cast in eager too,
-    # or not under compile, fails. The input is bf16 already (torchao casts it under CUDA's autocast only).
+    # computes from a copy of the weight in autocast's dtype, bf16 or fp16 (as FSDP's bf16 policy hands it over):
+    # the same output and weight gradient (in float32 here), to the bit. In eager, and under compile without
+    # autocast (a float32 run; FSDP, whose weights arrive in bf16), it computes what it computes from the weight as
+    # it is. The copies' results differ from the float32 weight's (the FP8 scale and values come from the rounded
+    # weight: checked), so a layer that cast in eager too, or not under compile, or to another dtype, fails. The
+    # input is in the run's dtype already (torchao casts it under CUDA's autocast only).
     float8 = pytest.importorskip('torchao.float8')
     from torchao.float8.float8_linear import Float8Linear
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (9, 0))  # FP8 runs on this CPU
@@ -658,23 +660,30 @@ def test_fp8_layers_cast_the_weight_to_bf16_first_under_compile(monkeypatch):
     assert train.convert_to_fp8(ours, 'tensorwise', 'cuda') == ['0']
     float8.convert_to_float8_training(torchaos, config=float8.Float8LinearConfig.from_recipe_name('tensorwise'))
     assert type(torchaos[0]) is Float8Linear and isinstance(ours[0], Float8Linear) and type(ours[0]) is not Float8Linear
-    from_bf16 = copy.deepcopy(torchaos)
-    from_bf16[0].weight = nn.Parameter(torchaos[0].weight.detach().to(torch.bfloat16))
-    x = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(32, 64)
 
-    def run(model, compiled):
+    def weight_in(dtype):
+        model = copy.deepcopy(torchaos)
+        model[0].weight = nn.Parameter(torchaos[0].weight.detach().to(dtype))
+        return model
+
+    def run(model, compiled, dtype):
         model = copy.deepcopy(model)
         torch._dynamo.reset()
-        with torch.autocast('cpu', torch.bfloat16):
-            y = (torch.compile(model, backend='aot_eager', fullgraph=True) if compiled else model)(x)
+        with torch.autocast('cpu', dtype or torch.bfloat16, enabled=dtype is not None):
+            forward = torch.compile(model, backend='aot_eager', fullgraph=True) if compiled else model
+            y = forward(x.to(dtype or x.dtype))
         y.float().square().sum().backward()
         return y, model[0].weight.grad.float()
 
-    for compiled, want in ((True, run(from_bf16, True)), (False, run(torchaos, False))):
-        got = run(ours, compiled)
-        assert got[1].dtype == torch.float32 and got[1].is_contiguous()
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), compiled
-    assert not torch.equal(run(from_bf16, True)[1], run(torchaos, True)[1])
+    for dtype in (torch.bfloat16, torch.float16, None):  # None: no autocast, float32
+        for compiled in (True, False):
+            want = run(weight_in(dtype) if compiled and dtype else torchaos, compiled, dtype)
+            got = run(ours, compiled, dtype)
+            assert got[1].dtype == torch.float32 and got[1].is_contiguous()
+            assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)), (dtype, compiled)
+            if dtype:
+                assert not torch.equal(run(weight_in(dtype), True, dtype)[1], run(torchaos, True, dtype)[1])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -752,28 +752,27 @@ def convert_to_fp8(model, recipe, device):
                          f"RTX 4090, ...); this run is on {where}. Set fp8=False")
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     except ImportError as e:
         raise TrainError(f"fp8=True needs torchao ({e}): `pip install torchao`") from None
     keep = fp8_layer_filter(recipe)
     names = [fqn for fqn, module in model.named_modules() if keep(module, fqn)]
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
-    cast_first_class = cast_first(Float8Linear)
+    cast_first_class = cast_first(Float8Linear, matmul_with_hp_or_float8_args)
     for module in model.modules():
         if type(module) is Float8Linear:
             module.__class__ = cast_first_class
     return names
 
 
-def cast_first(Float8Linear):
-    """torchao's Float8Linear, whose weight, under compile and autocast, is cast to autocast's dtype before torchao's
-    FP8 matmul gets it, as FSDP's bf16 policy hands it over. Given the float32 weight, the compiled backward casts the
-    weight's gradient to float32 transposed, then copies it back: one more float32 read and write of every FP8
-    weight per micro-step (405 MB per block at 1.01B: .ci/triton_code.py's code for an H100, BENCHMARKS.md); given
-    bf16, one cast. The FP8 values and scales then come from the bf16 weight (as under FSDP). In eager, the bf16
-    copy would be saved for the backward (2 bytes per weight), so there the layer is torchao's as it is."""
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
+def cast_first(Float8Linear, matmul_with_hp_or_float8_args):
+    """torchao's Float8Linear, whose weight, under compile and autocast, is cast to autocast's dtype before
+    torchao's FP8 matmul (its forward's function) gets it, as FSDP's bf16 policy hands it over. Given the float32
+    weight, the compiled backward casts the weight's gradient to float32 transposed, then copies it back: one more
+    float32 read and write of every FP8 weight per micro-step (405 MB per block at 1.01B: .ci/triton_code.py's code
+    for an H100, BENCHMARKS.md); given bf16, one cast. The FP8 values and scales then come from the bf16 weight (as
+    under FSDP). In eager, the bf16 copy would be saved for the backward (2 bytes per weight), so there the layer is
+    torchao's as it is; and so it is without autocast (float32 runs; FSDP, whose weights arrive in bf16)."""
     class CastFirst(Float8Linear):
         def forward(self, input):
             device = input.device.type
