@@ -11,15 +11,16 @@ both libraries' internals, which other versions may have moved).
     python .ci/triton_code.py --n_layer=2 --n_head=16 --n_embd=2048 --batch_size=8 --fp8=tensorwise  # FP8 at 1.01B
 
 How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the kernels as for a GPU, with
-triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do
-nothing), so the step's numbers mean nothing: only the code does. model.py's CPU-only paths (RMSNorm's backward,
-attention in float32 under CPU autocast) are switched to what CUDA runs, and so is inductor's online softmax
-(online_softmax_here_too). Where a GPU chooses otherwise, the code differs: attention here is the CPU's flash
-kernel (outside the generated code on any device), whose outputs' layout can differ from cuDNN's; inductor's
-mix-order reduction (each norm's weight gradient fused into the norm's backward kernel) is for CUDA devices only.
-With --fp8=tensorwise, the layers train.fp8_layer_filter keeps are torchao's Float8Linear, as train.convert_to_fp8
-makes them on a GPU (needs torchao; rowwise scaling cannot: torch's _scaled_mm takes per-tensor scales only on
-the CPU, and it runs here, as every matmul does).
+triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do nothing),
+so the step's numbers mean nothing: only the code does. model.py's CPU-only paths (RMSNorm's backward, attention
+in float32 under CPU autocast) are switched to what CUDA runs, and so are inductor's online softmax
+(online_softmax_here_too) and its rules for reused values and for loop reordering (reuse_and_fuse_as_on_a_gpu).
+Where a GPU chooses otherwise, the code differs: attention here is the CPU's flash kernel (outside the generated
+code on any device), whose outputs' layout can differ from cuDNN's; inductor's mix-order reduction (each norm's
+weight gradient fused into the norm's backward kernel) is for CUDA devices only. With --fp8=tensorwise, the layers
+train.fp8_layer_filter keeps are torchao's Float8Linear, as train.convert_to_fp8 makes them on a GPU (needs
+torchao; rowwise scaling cannot: torch's _scaled_mm takes per-tensor scales only on the CPU, and it runs here, as
+every matmul does).
 Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size,
 launches and the MB each launch moves by inductor's own estimate; then the micro-step's total, and the time it
 takes at the given bandwidth: an estimate of the Triton kernels' time, not a measurement (inductor counts a value
@@ -89,6 +90,21 @@ def online_softmax_here_too():
     post_grad.prepare_softmax_extra_check.__code__ = check.__code__
 
 
+def reuse_and_fuse_as_on_a_gpu():
+    """Two of inductor's rules that differ on a CPU, as for a GPU's code. A value that several kernels use is stored
+    (realized) on a CPU whenever it is computed with exp or sigmoid (StorageBox.should_realize_on_reuse): a buffer
+    written and read back that a GPU's kernels do not have, each of them computing the value again (SwiGLU's sigmoid,
+    needed by FP8's scaling and by the gradient, say). And two fusion rules (loop reordering after fusion, loop index
+    inversion) are skipped for CPU nodes (BaseSchedulerNode.is_cpu, asked by those two alone in torch 2.11)."""
+    from torch._inductor import ir, scheduler
+
+    def should_realize_on_reuse(self, users):  # torch 2.11's rule less its branch for the CPU
+        return users > 1 and isinstance(self.data, (ir.Pointwise, ir.Reduction)) and (
+            self.num_reads() > inductor_config.realize_reads_threshold or self.has_large_inner_fn())
+    ir.StorageBox.should_realize_on_reuse = should_realize_on_reuse
+    scheduler.BaseSchedulerNode.is_cpu = lambda self: False
+
+
 class NoKernel:
     """Stands in for a compiled kernel: launching it does nothing."""
 
@@ -122,6 +138,7 @@ def main(argv):
     fake_h100_driver()
     inductor_config.cpu_backend = 'triton'
     online_softmax_here_too()
+    reuse_and_fuse_as_on_a_gpu()
     # a cache of its own: inductor's cache keys do not see online_softmax_here_too, so an earlier run's graphs
     # (in the shared cache, with or without it) would come back as they were
     cache = os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='triton_code_')
