@@ -1632,7 +1632,7 @@ def test_rope_probe_refuses_an_unknown_form(capsys):
     assert '--only: no form flip_head' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('part', 'abcdefg')
+@pytest.mark.parametrize('part', 'abcdefgh')
 def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
     # renamed or mistyped there would cost a step of that time. Its commands are recorded (python, nvidia-smi
