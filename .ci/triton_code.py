@@ -14,13 +14,12 @@ How: inductor's Triton backend for the CPU (cpu_backend='triton') generates the 
 triton's driver answering as an H100 (sm90). The kernels are never compiled nor run (stand-ins that do nothing),
 so the step's numbers mean nothing: only the code does. model.py's CPU-only paths (RMSNorm's backward, attention
 in float32 under CPU autocast) are switched to what CUDA runs, and so are inductor's online softmax
-(online_softmax_here_too) and its rules for reused values and for loop reordering (reuse_and_fuse_as_on_a_gpu).
-Where a GPU chooses otherwise, the code differs: attention here is the CPU's flash kernel (outside the generated
-code on any device), whose outputs' layout can differ from cuDNN's; inductor's mix-order reduction (each norm's
-weight gradient fused into the norm's backward kernel) is for CUDA devices only. With --fp8=tensorwise, the layers
-train.fp8_layer_filter keeps are torchao's Float8Linear, as train.convert_to_fp8 makes them on a GPU (needs
-torchao; rowwise scaling cannot: torch's _scaled_mm takes per-tensor scales only on the CPU, and it runs here, as
-every matmul does).
+(online_softmax_here_too) and its rules for reused values, loop reordering and mix-order reduction
+(reuse_and_fuse_as_on_a_gpu). Where a GPU chooses otherwise, the code differs: attention here is the CPU's flash
+kernel (outside the generated code on any device), whose outputs' layout can differ from cuDNN's. With
+--fp8=tensorwise, the layers train.fp8_layer_filter keeps are torchao's Float8Linear, as train.convert_to_fp8
+makes them on a GPU (needs torchao; rowwise scaling cannot: torch's _scaled_mm takes per-tensor scales only on the
+CPU, and it runs here, as every matmul does).
 Writes out/forward.py and out/backward.py (the generated modules) and prints each kernel: loads, stores, size,
 launches and the MB each launch moves by inductor's own estimate; then the micro-step's total, and the time it
 takes at the given bandwidth: an estimate of the Triton kernels' time, not a measurement (inductor counts a value
@@ -91,11 +90,14 @@ def online_softmax_here_too():
 
 
 def reuse_and_fuse_as_on_a_gpu():
-    """Two of inductor's rules that differ on a CPU, as for a GPU's code. A value that several kernels use is stored
-    (realized) on a CPU whenever it is computed with exp or sigmoid (StorageBox.should_realize_on_reuse): a buffer
-    written and read back that a GPU's kernels do not have, each of them computing the value again (SwiGLU's sigmoid,
-    needed by FP8's scaling and by the gradient, say). And two fusion rules (loop reordering after fusion, loop index
-    inversion) are skipped for CPU nodes (BaseSchedulerNode.is_cpu, asked by those two alone in torch 2.11)."""
+    """Three of inductor's rules that differ on a CPU, as for a GPU's code. A value that several kernels use is
+    stored (realized) on a CPU whenever it is computed with exp or sigmoid (StorageBox.should_realize_on_reuse): a
+    buffer written and read back that a GPU's kernels do not have, each of them computing the value again (SwiGLU's
+    sigmoid, needed by FP8's scaling and by the gradient, say). Two fusion rules (loop reordering after fusion, loop
+    index inversion) are skipped for CPU nodes (BaseSchedulerNode.is_cpu, asked by those two alone in torch 2.11).
+    And mix-order reduction (MixOrderReduction.can_fuse: a norm's weight gradient, a sum over the tokens, fused into
+    the norm's backward kernel, a sum over the channels, which reads the same tensors) is for CUDA and XPU devices
+    only: it is asked of CPU nodes as of a CUDA device's."""
     from torch._inductor import ir, scheduler
 
     def should_realize_on_reuse(self, users):  # torch 2.11's rule less its branch for the CPU
@@ -103,6 +105,18 @@ def reuse_and_fuse_as_on_a_gpu():
             self.num_reads() > inductor_config.realize_reads_threshold or self.has_large_inner_fn())
     ir.StorageBox.should_realize_on_reuse = should_realize_on_reuse
     scheduler.BaseSchedulerNode.is_cpu = lambda self: False
+    can_fuse, cuda = scheduler.MixOrderReduction.can_fuse.__func__, torch.device('cuda', 0)
+
+    def mix_order_can_fuse(cls, node1, node2):
+        on_cpu = [n for n in (node1, node2) if n.get_device() is not None and n.get_device().type == 'cpu']
+        for node in on_cpu:
+            node.get_device = lambda: cuda  # for this question alone
+        try:
+            return can_fuse(cls, node1, node2)
+        finally:
+            for node in on_cpu:
+                del node.get_device
+    scheduler.MixOrderReduction.can_fuse = classmethod(mix_order_can_fuse)
 
 
 class NoKernel:
