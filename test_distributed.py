@@ -406,12 +406,11 @@ def test_two_processes_end_with_the_single_process_weights(par6, single6, accum4
 
 
 @pytest.mark.parametrize('case', ['ddp', 'ddp_compiled', 'ddp_resumed', 'fsdp'])
-def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data, single3):
+def test_each_steps_gradients_and_collectives_under_ddp_and_fsdp(case, root, data, single3):
     # DDP runs with gradient_as_bucket_view: every gradient is a view of the bucket DDP all-reduces (this model's
     # 140 KB of gradients fit its first, of 1 MiB: one storage for all of them, of their size), zeroed, before the
-    # first step
-    # (compiled: after the compile's warm-up; resumed: after the optimizer state's load) and after each step.
-    # Gradients of their own (a second copy beside the buckets), or dropped to None (the next backward would
+    # first step (compiled: after the compile's warm-up; resumed: after the optimizer state's load) and after each
+    # step. Gradients of their own (a second copy beside the buckets), or dropped to None (the next backward would
     # allocate them again, beside the buckets: DDP alone makes them views at its first all-reduce, after a first
     # step that holds them twice) would fail. FSDP drops its gradients after each step. With 2 micro-steps per
     # process, the first one's gradients are added into the views (no_sync). That the results are the single
@@ -419,9 +418,9 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
     # FSDP gathers each block's weights for its forward and again for its backward, all but the last block's, whose
     # backward follows its forward (reshard_after_forward=False), and the root's (embeddings, final norm, head) once:
     # the root, blocks 0 to n_layer - 1, then n_layer - 2 down to 0, each micro-step (resharding the last block too
-    # would gather it once more; keeping another block whole, another block would be missing). DDP
-    # broadcasts nothing during a step: RoPE's tables, the model's only buffers, are the same in every process (by
-    # default DDP would send process 0's before the forward of each step's last micro-step)
+    # would gather it once more; keeping another block whole, another block would be missing). DDP broadcasts
+    # nothing during a step: RoPE's tables, the model's only buffers, are the same in every process (by default DDP
+    # would send process 0's before the forward of each step's last micro-step)
     out, extra = root / f'grads_{case}', ['--gradient_accumulation_steps=4', '--max_iters=3']
     if case == 'ddp_compiled':
         extra.append('--compile=True')
@@ -430,13 +429,13 @@ def test_ddp_gradients_are_views_of_the_buckets_it_all_reduces(case, root, data,
         extra = ['--gradient_accumulation_steps=4', '--max_iters=5', '--init_from=resume']
     parallelism = 'fsdp' if case == 'fsdp' else 'ddp'
     r = run(2, out, data, *extra, f'--parallelism={parallelism}', entry=GRADIENT_SPY).check()
+    n_layer, micro_steps = int(FLAGS[0].removeprefix('--n_layer=')), 2  # 4 micro-batches a step, 2 per process
+    blocks = [f'blocks.{i}' for i in range(n_layer)]
+    micro_step = ['root', *blocks, *blocks[-2::-1]] if parallelism == 'fsdp' else []
     for rank in range(2):
         with open(f'{r.out_dir}.grads-{rank}') as f:
             seen = json.load(f)
         assert len(seen) == (2 if case == 'ddp_resumed' else 3), (rank, seen)
-        n_layer, micro_steps = int(FLAGS[0].removeprefix('--n_layer=')), 2  # 4 micro-batches a step, 2 per process
-        blocks = [f'blocks.{i}' for i in range(n_layer)]
-        micro_step = ['root', *blocks, *blocks[-2::-1]] if parallelism == 'fsdp' else []
         sent = [(step.pop('gathers'), step.pop('broadcasts')) for step in seen]
         assert sent == [(micro_step * micro_steps, 0)] * len(seen), (case, rank, seen)
         for step in seen:
