@@ -153,8 +153,8 @@ def main(argv):
     inductor_config.cpu_backend = 'triton'
     online_softmax_here_too()
     reuse_and_fuse_as_on_a_gpu()
-    # a cache of its own: inductor's cache keys do not see online_softmax_here_too, so an earlier run's graphs
-    # (in the shared cache, with or without it) would come back as they were
+    # a cache of its own: inductor's cache keys do not see the two functions above, so an earlier run's graphs
+    # (in the shared cache, with or without them) would come back as they were
     cache = os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='triton_code_')
     atexit.register(shutil.rmtree, cache, ignore_errors=True)  # the modules worth keeping are copied to --out
     inductor_config.compile_threads = 1
