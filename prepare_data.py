@@ -19,8 +19,9 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   hf:PATH, the tokenizer.json of a Hugging Face model directory (the `tokenizers` library), so that a
   finetune of that model (train.py --init_from=hf:PATH) reads its own vocabulary.
 - train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. The input's text bytes are
-  the files' bytes and the records' UTF-8 text, in order; train is their first (1 - val_fraction), up to
-  the next newline or end of document. The same inputs always give byte-identical files.
+  the files' bytes (less a UTF-8 byte-order mark at a file's start) and the records' UTF-8 text, in order;
+  train is their first (1 - val_fraction), up to the next newline or end of document. The same inputs
+  always give byte-identical files.
 - meta.json: tokenizer, vocab_size, dtype, train_tokens, val_tokens, val_fraction, sources, text_field
   (when records were read), and chars (char) or eot_token (BPE, appended after each document: a text
   file or a record; an hf tokenizer's eos token, if it has one). hf:PATH adds tokenizer_sha256 (of
@@ -39,7 +40,9 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   them into place, meta.json last: a crash never leaves a half-written dataset that looks complete. A
   file that cannot be read or written is a one-line error naming it.
 - Decodes UTF-8 with errors='replace': an invalid byte (or a lone surrogate escaped in JSON) becomes
-  U+FFFD instead of stopping the run. A line that is not a JSON object, a record that lacks the field
+  U+FFFD instead of stopping the run. A text or JSON-lines file in UTF-16 or UTF-32 (by its byte-order mark,
+  or NUL bytes as a quarter of its first bytes or more) is an error naming it (check_start): decoded as UTF-8
+  it would be its text with NULs between the characters. A line that is not a JSON object, a record that lacks the field
   or holds something other than a string there is an error naming the file and line (row group and row).
 """
 import glob
@@ -135,9 +138,31 @@ def cut_point(data):
     return i or len(data)
 
 
+UTF8_BOM = b'\xef\xbb\xbf'
+
+
+def check_start(path, head):
+    """How many of a file's first bytes, `head`, are no text: 3 for UTF-8's byte-order mark (which Windows' editors
+    write), else 0. A file in UTF-16 or UTF-32 is a ValueError naming it: by a byte-order mark of theirs, or by its
+    NUL bytes, a quarter of its first bytes or more (ASCII text in UTF-16 is half NULs; in UTF-8, none)."""
+    bom = head.startswith((b'\xff\xfe', b'\xfe\xff', b'\x00\x00\xfe\xff'))
+    if bom or head.count(0) * 4 >= len(head) > 0:
+        why = 'its byte-order mark' if bom else f'{head.count(0)} of its first {len(head)} bytes are NUL'
+        raise ValueError(f"{path}: UTF-16 or UTF-32, not UTF-8 ({why}); prepare_data.py reads UTF-8: convert it "
+                         f"first (iconv -f UTF-16 -t UTF-8, say)")
+    return len(UTF8_BOM) if head.startswith(UTF8_BOM) else 0
+
+
+def text_start(path):
+    """Where a text file's text begins: after a UTF-8 byte-order mark, if it has one (check_start)."""
+    with open(path, 'rb') as f:
+        return check_start(path, f.read(4096))
+
+
 def text_pieces(path, start=0):
-    """A text file as one document, from byte `start`: (data, False) about CHUNK_BYTES at a time, each
-    ending at a cut_point, then (the rest, True)."""
+    """A text file as one document, from byte `start` of its text (text_start: a UTF-8 byte-order mark is none
+    of it): (data, False) about CHUNK_BYTES at a time, each ending at a cut_point, then (the rest, True)."""
+    start += text_start(path)
     with open(path, 'rb') as f:
         f.seek(start)
         data = f.read(CHUNK_BYTES)
@@ -156,6 +181,8 @@ def jsonl_documents(path, text_field):
     try:
         with (gzip.open if path.lower().endswith('.gz') else open)(path, 'rb') as f:
             for n, line in enumerate(f, start=1):
+                if n == 1:
+                    line = line[check_start(path, line):]
                 if line.strip():
                     yield json_text(line, text_field, f"{path}, line {n}")
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a truncated or corrupt .gz
@@ -232,7 +259,7 @@ def text_size(path, text_field):
         if path.lower().endswith(COMPRESSED):
             raise ValueError(f"{path}: a compressed file, and not one prepare_data.py reads (.jsonl.gz, "
                              f".json.gz): decompress it first")
-        return os.path.getsize(path)
+        return os.path.getsize(path) - text_start(path)
     return sum(len(data) for data, _ in pieces(path, text_field))
 
 
@@ -351,6 +378,10 @@ class HFTokenizer:
     def __init__(self, text, eot_token=None):
         from tokenizers import Tokenizer
         self.tokenizer = Tokenizer.from_str(text)
+        # a tokenizer.json may ask to truncate or pad what it encodes (a model's max_length): here it encodes
+        # whole documents (or a prompt), which must come out whole
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.n_vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
         self.eot_token = eot_token
 

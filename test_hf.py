@@ -581,6 +581,28 @@ def test_hf_tokenizer_round_trips_through_prepare_data(tok_dir, tmp_path, monkey
     assert encode(texts[1]) == enc(b)
 
 
+def test_a_tokenizer_json_that_truncates_or_pads_still_encodes_whole_texts(tok_dir, tmp_path):
+    # a model's tokenizer.json may carry its max_length as truncation, and padding: prepare_data.py encodes each
+    # piece of a document at once (thousands of tokens), sample.py a prompt. Reference: the same tokenizer.json
+    # without either, which test_hf_tokenizer_round_trips_through_prepare_data checks against the tokenizers library
+    original = json.loads(open(os.path.join(tok_dir, 'tokenizer.json'), encoding='utf-8').read())
+    copy = dict(original, truncation=dict(direction='Right', max_length=16, strategy='LongestFirst', stride=0),
+                padding=dict(strategy='BatchLongest', direction='Right', pad_to_multiple_of=None, pad_id=0,
+                             pad_type_id=0, pad_token='<|endoftext|>'))
+    shutil.copytree(tok_dir, tmp_path / 'tok')  # its tokenizer_config.json too: the same eos token
+    (tmp_path / 'tok' / 'tokenizer.json').write_text(json.dumps(copy), encoding='utf-8')
+    assert len(Tokenizer.from_file(str(tmp_path / 'tok' / 'tokenizer.json')).encode(corpus()[0]).ids) == 16
+    (tmp_path / 'in.txt').write_text(corpus()[0], encoding='utf-8')
+    for name, tokenizer in (('whole', tok_dir), ('cut', tmp_path / 'tok')):
+        prepare_data.prepare(str(tmp_path / 'in.txt'), f'hf:{tokenizer}', str(tmp_path / name), 0.1, threads=2)
+    for split in ('train', 'val'):
+        whole, cut = (np.fromfile(tmp_path / name / f'{split}.bin', np.uint16) for name in ('whole', 'cut'))
+        assert len(whole) > 1000 and cut.tolist() == whole.tolist(), split
+    encode_cut = prepare_data.get_tokenizer(json.loads((tmp_path / 'cut' / 'meta.json').read_text()))[0]
+    encode_whole = prepare_data.get_tokenizer(json.loads((tmp_path / 'whole' / 'meta.json').read_text()))[0]
+    assert encode_cut(corpus()[1]) == encode_whole(corpus()[1])  # sample.py's prompt
+
+
 def test_hf_tokenizer_that_cannot_be_cut_is_refused(tmp_path):
     tok = Tokenizer(models.WordLevel({'[UNK]': 0, '▁Hello': 1}, unk_token='[UNK]'))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()  # marks the start of every text it is given

@@ -507,6 +507,55 @@ def test_hf_eos_id_outside_the_vocabulary_is_refused(tmp_path, eos):
     assert meta['vocab_size'] == 4 and meta['eot_token'] == 3
 
 
+@pytest.mark.parametrize('kind', ['txt', 'jsonl', 'jsonl.gz'])
+def test_a_utf8_byte_order_mark_is_no_text(tmp_path, monkeypatch, kind):
+    # Reference: the same files without the mark (which Windows' editors write at a file's start), prepared alike:
+    # the same bytes in train.bin, val.bin and meta.json but for the sources. Text files: the second file holds the
+    # split, so val starts at an offset into its text; small chunks cut both files
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 300)
+    texts = [random_text(7, 300), random_text(8, 900)]
+    for mark in ('plain', 'marked'):
+        bom = b'\xef\xbb\xbf' if mark == 'marked' else b''
+        if kind == 'txt':
+            data = [bom + text.encode() for text in texts]
+        else:  # one file of records, the mark before its first line
+            data = [bom + ''.join(json.dumps({'text': t}) + '\n' for t in texts).encode()]
+        paths = []
+        for i, d in enumerate(data):
+            (tmp_path / mark).mkdir(exist_ok=True)
+            paths.append(tmp_path / mark / f'{i}.{kind}')
+            paths[-1].write_bytes(gzip.compress(d) if kind.endswith('.gz') else d)
+        prepare(','.join(map(str, paths)), 'char', str(tmp_path / mark / 'out'), 0.1)
+    plain, marked = (load(tmp_path / mark / 'out') for mark in ('plain', 'marked'))
+    assert '\ufeff' not in marked[0]['chars']
+    names = [[os.path.basename(p) for p in meta.pop('sources')] for meta in (marked[0], plain[0])]
+    assert names[0] == names[1]
+    assert marked[0] == plain[0]
+    assert marked[1].tolist() == plain[1].tolist() and marked[2].tolist() == plain[2].tolist()
+    if kind == 'txt':
+        assert 0 < plain[0]['val_tokens'] < len(texts[1])  # the split fell inside the second file
+
+
+@pytest.mark.parametrize('kind, encoding, why', [
+    ('txt', 'utf-16', 'its byte-order mark'), ('txt', 'utf-32', 'its byte-order mark'),
+    ('txt', 'utf-16-be', 'of its first'), ('txt', 'utf-16-le', 'of its first'),
+    ('jsonl', 'utf-16', 'its byte-order mark'),
+])
+def test_utf16_and_utf32_files_are_refused_naming_them(tmp_path, kind, encoding, why):
+    # Reference: the file's name and its encoding's name in the error. Decoded as UTF-8, UTF-16's ASCII would
+    # become the text with a NUL after every character (and the mark two U+FFFD); nothing is written
+    text = 'To be, or not to be, that is the question:\n' * 40
+    text = json.dumps({'text': text}) + '\n' if kind == 'jsonl' else text
+    good = write(tmp_path / f'a.{kind}', text)
+    bad = tmp_path / f'b.{kind}'
+    bad.write_bytes(text.encode(encoding))
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={good},{bad}', f'--data_dir={tmp_path / "out"}'])
+    assert str(e.value.code).startswith(f'prepare_data.py: error: {bad}: UTF-16 or UTF-32, not UTF-8')
+    assert why in str(e.value.code)
+    assert not (tmp_path / 'out').exists()
+
+
 def test_invalid_utf8_becomes_replacement_character(tmp_path):
     (tmp_path / 'a.txt').write_bytes(b'caf\xc3\xa9 \xff bad byte\n' * 20)
     meta = prepare(str(tmp_path / 'a.txt'), 'char', str(tmp_path / 'out'), 0.1)
