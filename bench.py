@@ -417,7 +417,8 @@ def resolved(change, env):
     return {k: mixed if v == 'mixed' else v for k, v in change.items()}
 
 
-def ladder(env):
+def ladder(env, save=lambda rows: None):
+    """Every rung of the ladder, as rows (bench.json's); save(rows) after each one that runs."""
     rows, s, prev, baseline, top = [], dict(BASE), None, None, None
     for i, (name, change) in enumerate(LADDER + MEMORY, start=1):
         top = top or ((s, prev) if i > len(LADDER) else None)  # the memory rungs build on the last rung that ran
@@ -452,6 +453,7 @@ def ladder(env):
         print(f"{i:2d} {row['name']:<22} " + (f"{row['ms_per_iter']:9.1f} ms/iter, loss {row['loss']:.5f}"
               if row['status'] == 'ok' else f"{row['status']}: {row['reason']}"), flush=True)
         rows.append(row)
+        save(rows)
     return rows
 
 
@@ -490,6 +492,8 @@ def markdown(rows, meta):
     first = next((r for r in rows if r['status'] == 'ok'), None)
     baseline = f"rung {first['rung']} ({first['name']}), the first that ran" if first else 'no rung (none ran)'
     lines = ["# bench.py: ablation ladder", "", f"- command: `{meta['command']}`", f"- date: {meta['date']}",
+             *([f"- incomplete: the rungs after rung {rows[-1]['rung']} have not run (yet)"]
+               if meta.get('complete') is False else []),
              f"- device: {meta['device']}; torch {meta['torch']}",
              f"- model: {shape}; {meta['params'] / 1e6:.2f}M parameters",
              f"- step (iter): one optimizer step of {meta['batch_size']} x {meta['block_size']} tokens x "
@@ -766,10 +770,8 @@ def fit(env):
             flags = f"--batch_size={batch} --gradient_accumulation_steps={accum} " if batch else ''
             print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
             record['complete'] = len(variants) == len(FIT_VARIANTS)
-            path = os.path.join(env.out, 'fit.json')  # after each variant, whole: a run cut short keeps its rows
-            with open(f'{path}.tmp', 'w') as f:
-                json.dump(record, f, indent=1)
-            os.replace(f'{path}.tmp', path)
+            # after each variant, whole: a run cut short keeps its rows
+            write_whole(os.path.join(env.out, 'fit.json'), json.dumps(record, indent=1))
     finally:  # (else a daemon child ends with this process, or at its pipe's end)
         tries.close()
     return 0
@@ -1108,19 +1110,27 @@ def main(argv):
         return {'ladder': run_ladder, 'fit': fit, 'profile': profile}[env.mode](env)
 
 
+def write_whole(path, text):
+    """Write text to path through a temporary file: a process killed meanwhile leaves the file as it was."""
+    with open(f'{path}.tmp', 'w') as f:
+        f.write(text)
+    os.replace(f'{path}.tmp', path)
+
+
 def run_ladder(env):
     meta = env.meta
     print(f"bench: {meta['device']}, torch {meta['torch']}, preset {env.preset}, {meta['params'] / 1e6:.2f}M "
           f"params, {meta['tokens_per_iter']:,} tokens/iter; data: {meta['data']}", flush=True)
     t0 = time.time()
-    rows = ladder(env)
-    meta['runtime_s'] = round(time.time() - t0, 1)
     os.makedirs(env.out, exist_ok=True)
-    with open(os.path.join(env.out, 'bench.json'), 'w') as f:
-        json.dump(dict(meta, rungs=rows), f, indent=1)
+
+    def save(rows, complete=False):  # after every rung: a run cut short (a time limit, a crash) keeps its rows
+        meta.update(runtime_s=round(time.time() - t0, 1), complete=complete)
+        write_whole(os.path.join(env.out, 'bench.json'), json.dumps(dict(meta, rungs=rows), indent=1))
+        write_whole(os.path.join(env.out, 'bench.md'), markdown(rows, meta))
+    rows = ladder(env, save)
+    save(rows, complete=True)
     table = markdown(rows, meta)
-    with open(os.path.join(env.out, 'bench.md'), 'w') as f:
-        f.write(table)
     note = plot(rows, meta, os.path.join(env.out, 'bench.png'))
     print(f"\nwrote {env.out}/bench.json, bench.md" + (f"; {note}" if note else ", bench.png") + "\n\n" + table)
     return 0

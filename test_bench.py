@@ -1632,21 +1632,22 @@ def test_rope_probe_refuses_an_unknown_form(capsys):
     assert '--only: no form flip_head' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('part', 'abcdefgh')
-def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
-    # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
-    # renamed or mistyped there would cost a step of that time. Its commands are recorded (python, nvidia-smi
-    # stand-ins; the script copied, since it empties bench_out/ where it lives) and each one's settings checked;
-    # the steps' time limits (a timeout stand-in) add up to the 580 s the script promises, so that a part fits one
-    # 10-minute device command.
+def ci_gpu(tmp_path, part, data=True, libraries=True):
+    """.ci/gpu's part run with stand-ins: the script copied into tmp_path (it empties bench_out/ where it lives), a
+    python that records its arguments in calls.jsonl (as `python -c`, it answers part d's read of fit.json: batch,
+    accumulation; it fails an import of bitsandbytes without `libraries`), nvidia-smi, and a timeout that records
+    each step's limit in limits and runs the step. With `data`, an empty data/shakespeare_char/train.bin."""
     os.makedirs(tmp_path / '.ci')
     script = tmp_path / '.ci' / 'gpu'
     script.write_text(open(os.path.join(HERE, '.ci', 'gpu')).read())
+    if data:
+        os.makedirs(tmp_path / 'data' / 'shakespeare_char')
+        (tmp_path / 'data' / 'shakespeare_char' / 'train.bin').write_bytes(b'')
     bin_dir, log = tmp_path / 'bin', tmp_path / 'calls.jsonl'
     os.makedirs(bin_dir)
-    # a python that records its arguments; as `python -c`, it answers part d's read of fit.json (batch, accumulation)
     (bin_dir / 'python').write_text(f"#!{sys.executable}\nimport json, sys\n"
                                     f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                                    f"if {not libraries} and 'import bitsandbytes' in sys.argv[-1]: sys.exit(1)\n"
                                     f"print('8 4' if sys.argv[1] == '-c' else '')\n")
     (bin_dir / 'nvidia-smi').write_text('#!/bin/sh\n')
     limits = tmp_path / 'limits'
@@ -1655,7 +1656,17 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     for name in ('python', 'nvidia-smi', 'timeout'):
         os.chmod(bin_dir / name, 0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / 'out'))
-    done = subprocess.run(['bash', str(script), part], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(['bash', str(script), part], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize('part', 'abcdefgh')
+def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
+    # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
+    # renamed or mistyped there would cost a step of that time. Its commands are recorded (ci_gpu's stand-ins)
+    # and each one's settings checked; the steps' time limits add up to the 580 s the script promises, so that a
+    # part fits one 10-minute device command.
+    done = ci_gpu(tmp_path, part)
+    log, limits = tmp_path / 'calls.jsonl', tmp_path / 'limits'
     assert done.returncode == 0, done.stderr
     assert os.path.exists(tmp_path / 'out' / f'gpu-{part}.tgz')
     steps = [line for line in done.stdout.splitlines() if ': rc ' in line]  # steps.txt's lines, as .ci/gpu tees them
@@ -1681,6 +1692,20 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
             assert os.path.exists(os.path.join(HERE, call[-1])), call
 
 
+@pytest.mark.parametrize('part, data, libraries, message', [
+    ('a', False, True, 'no data/shakespeare_char/train.bin: run python prepare_data.py'),
+    ('f', True, False, 'part f needs bitsandbytes and torchao'),
+    ('d', True, False, 'part d needs bitsandbytes and torchao'),
+])
+def test_ci_gpu_stops_before_any_step_without_its_data_or_libraries(tmp_path, part, data, libraries, message):
+    # Reference: no step ran (no limit recorded, no archive). Without the data bench.py would measure random
+    # tokens, whose losses compare nothing; without the libraries the 8-bit and FP8 rungs are skipped
+    done = ci_gpu(tmp_path, part, data, libraries)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not os.path.exists(tmp_path / 'limits') and not os.path.exists(tmp_path / 'out')
+    assert ci_gpu(tmp_path / 'e', 'e', data, libraries).returncode == (0 if data else 2)  # e needs no libraries
+
+
 def test_a_rung_without_bitsandbytes_is_skipped_with_advice_for_bench(tmp_path, monkeypatch):
     # Reference: train.py's own message for the missing library, less its advice to train with optimizer=adamw,
     # a setting bench.py does not have (a rung's optimizer is the rung's).
@@ -1691,6 +1716,31 @@ def test_a_rung_without_bitsandbytes_is_skipped_with_advice_for_bench(tmp_path, 
     rung = {r['rung']: r for r in run_ladder(str(tmp_path), '--rungs=11')['rungs']}[11]
     assert rung['status'] == 'skipped' and str(e.value).endswith(', or use optimizer=adamw')
     assert rung['reason'] == str(e.value).removesuffix(', or use optimizer=adamw'), rung['reason']
+
+
+def test_a_ladder_cut_short_keeps_the_rungs_that_ran(tmp_path, monkeypatch):
+    # .ci/gpu cuts a step at its time limit (SIGTERM ends bench.py at once); what ran before must be on disk.
+    # Reference: the same rung in a ladder that ran to its end (the same losses, step by step), marked complete
+    whole = run_ladder(str(tmp_path / 'whole'), '--rungs=1')
+    real, ran = bench.run_rung, []
+
+    def cut_after_one(trial, env):
+        if ran:
+            raise KeyboardInterrupt  # an exception no rung catches: the process ends here
+        ran.append(trial)
+        return real(trial, env)
+    monkeypatch.setattr(bench, 'run_rung', cut_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([*TINY, f'--out={tmp_path / "cut"}', '--rungs=1,4'])
+    with open(tmp_path / 'cut' / 'bench.json') as f:
+        cut = json.load(f)
+    assert (cut['complete'], whole['complete']) == (False, True)
+    assert [(r['rung'], r['status']) for r in cut['rungs']] == [(1, 'ok')]
+    assert cut['rungs'][0]['losses'] == whole['rungs'][0]['losses'] and len(whole['rungs'][0]['losses']) > 1
+    text = (tmp_path / 'cut' / 'bench.md').read_text()
+    assert '- incomplete: the rungs after rung 1 have not run (yet)' in text and '\n| 1 | fp32 eager |' in text
+    assert 'incomplete' not in (tmp_path / 'whole' / 'bench.md').read_text()
+    assert not list((tmp_path / 'cut').glob('*.tmp'))
 
 
 def test_an_out_that_cannot_be_written_is_an_error_before_any_measurement(tmp_path, monkeypatch):
