@@ -516,9 +516,13 @@ def test_zero_init_proj_from_hf_weights_is_a_warning(hf_dirs, hf_data, tmp_path,
 
 def test_data_vocabulary_must_fit_the_model(hf_dirs, tmp_path):
     data = write_dataset(tmp_path / 'data', np.arange(500) % 400, np.arange(100) % 400, 400)
-    with pytest.raises(train.TrainError, match="vocab_size=320 is smaller than the dataset's vocabulary .400"):
-        train.main(FINETUNE + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', f'--data_dir={data}',
-                               f'--out_dir={tmp_path / "out"}'])
+    # Reference: the model's config.json (vocab_size, which no flag may change under init_from=hf:) and the data's
+    model = hf_dirs["llama_gqa"]
+    with pytest.raises(train.TrainError) as e:
+        train.main(FINETUNE + [f'--init_from=hf:{model}', f'--data_dir={data}', f'--out_dir={tmp_path / "out"}'])
+    assert str(e.value) == (f"the model's vocab_size=320 ({model}/config.json) is smaller than the dataset's "
+                            f"vocabulary (400, {data}/meta.json): finetune on data prepared with the model's "
+                            f"tokenizer (prepare_data.py --tokenizer=hf:{model})")
 
 
 @pytest.mark.parametrize('change, message', [

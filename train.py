@@ -39,7 +39,7 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   loaded with weights_only=True; exact resume including data and RNG state, with the changed settings printed
   (config_diff); refused on data with another vocabulary (vocabulary_mismatch), on another shape (SHAPE_KEYS)
   or optimizer (OPTIMIZER_KEYS), or on a model setting this model.py lacks; the best val loss starts over when
-  what it depends on changes (EVAL_KEYS); a scratch run moves an earlier run's files aside instead of
+  what it depends on changes (EVAL_KEYS, eval_changes); a scratch run moves an earlier run's files aside instead of
   overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
@@ -957,6 +957,16 @@ def config_diff(old, new, keys):
     return [f"  {k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def eval_changes(old, new):
+    """The EVAL_KEYS that differ between two configs (dicts) in what the val loss measures: data_dir by the
+    directory it names, not by its spelling; batch_size and seed not where both evaluate every window of the val
+    split, in order (eval_iters=0: Windows)."""
+    every = old.get('eval_iters') == new.get('eval_iters') == 0
+    return [k for k in EVAL_KEYS if not (every and k in ('batch_size', 'seed'))
+            and (os.path.realpath(old[k]) != os.path.realpath(new[k]) if k == 'data_dir' and old.get(k)
+                 else old.get(k) != new.get(k))]
+
+
 def weights_finite(model):
     return all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
 
@@ -1112,9 +1122,9 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
 
 def setting_warnings(cfg):
     """Warnings for the APPLIES_ONLY settings that are set but not read in this run (zero_init_proj too, under
-    init_from=hf:), for a learning-rate schedule that never reaches its decay, for a new run that neither trains
-    nor evaluates, for half of the short-block pair set without the other, and for short blocks that last the whole
-    run."""
+    init_from=hf:), for a learning-rate schedule cut short (no decay, or not to its end), for a new run that neither
+    trains nor evaluates, for half of the short-block pair set without the other, and for short blocks that last the
+    whole run."""
     warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
@@ -1129,6 +1139,12 @@ def setting_warnings(cfg):
     elif 0 < cfg.lr_decay_iters <= cfg.warmup_iters and cfg.min_lr < cfg.learning_rate:
         warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is at most warmup_iters={cfg.warmup_iters}: the "
                         f"learning rate drops from its warmup straight to min_lr={cfg.min_lr:.2e}")
+    elif cfg.lr_decay_iters > cfg.max_iters > 0 and cfg.min_lr < cfg.learning_rate:
+        last = get_lr(cfg.max_iters - 1, cfg)
+        warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is above max_iters={cfg.max_iters}: the learning rate "
+                        + ("never starts its decay (wsd)" if last == cfg.learning_rate else f"ends at {last:.2e}")
+                        + f" at the last step, not at min_lr={cfg.min_lr:.2e} (lr_decay_iters=0: max_iters; a resume "
+                        f"with a larger max_iters goes on along the same schedule)")
     if is_hf(cfg) and cfg.zero_init_proj != DEFAULTS['zero_init_proj']:
         warnings.append(f"zero_init_proj={cfg.zero_init_proj!r} has no effect: the weights come from "
                         f"init_from={cfg.init_from}")
@@ -1224,8 +1240,11 @@ def setup(cfg, argv, device, rank, world):
     r.meta = meta = read_meta(cfg.data_dir)
     r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
     if r.vocab < meta['vocab_size']:
-        raise TrainError(f"vocab_size={r.vocab} is smaller than the dataset's vocabulary ({meta['vocab_size']}, "
-                         f"{cfg.data_dir}/meta.json)")
+        whose = (f"the model's vocab_size={r.vocab} ({cfg.init_from[3:]}/config.json)" if is_hf(cfg) else
+                 f"vocab_size={r.vocab}")  # (hf: a vocab_size flag that differs from the model's is an error)
+        raise TrainError(f"{whose} is smaller than the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/"
+                         f"meta.json)" + (f": finetune on data prepared with the model's tokenizer (prepare_data.py "
+                                          f"--tokenizer=hf:{cfg.init_from[3:]})" if is_hf(cfg) else ''))
     train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
     val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
@@ -1361,9 +1380,9 @@ def start_or_resume(r):
     if r.iter_num >= cfg.max_iters:  # the run's own config again, to go on: it ends where it started
         say(f"nothing to train: max_iters={cfg.max_iters}, and the checkpoint is at iteration {r.iter_num}; a "
             f"max_iters above {r.iter_num} trains on")
-    if config_diff(saved, vars(cfg), EVAL_KEYS) and r.best_val_loss < math.inf:
-        say(f"best val loss reset: {', '.join(EVAL_KEYS)} decide what the val loss measures, and one changed; "
-            f"the next evaluation's model is written to {r.best_path}")
+    if (changed := eval_changes(saved, vars(cfg))) and r.best_val_loss < math.inf:
+        say(f"best val loss reset: {', '.join(changed)} changed, which decide{'s' * (len(changed) == 1)} what the "
+            f"val loss measures; the next evaluation's model is written to {r.best_path}")
         r.best_val_loss = math.inf
         r.last_eval = None  # its evaluation measured something else: evaluate again if its iteration is one to evaluate
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
