@@ -512,7 +512,10 @@ def char_encoder(chars):
     return encode_chunk
 
 
-PIECE_CUT = re.compile(r'(?<=\S)\n(?=\S)')  # Python's \s covers all of Unicode's White_Space
+# Python's \s covers all of Unicode's White_Space. NOTE: never after '\r\n': GPT-2's regex keeps '\r' and '\n' apart
+# before a word and together at a text's end ('a\r\nb' encodes otherwise than 'a\r\n' and 'b'), so a text with
+# Windows line ends is one piece per chunk, encoded on one thread
+PIECE_CUT = re.compile(r'(?<=\S)\n(?=\S)')
 
 
 def bpe_encoder(enc, threads):
