@@ -42,8 +42,9 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
 - Decodes UTF-8 with errors='replace': an invalid byte (or a lone surrogate escaped in JSON) becomes
   U+FFFD instead of stopping the run. A text or JSON-lines file in UTF-16 or UTF-32 (by its byte-order mark,
   or NUL bytes as a quarter of its first bytes or more) is an error naming it (check_start): decoded as UTF-8
-  it would be its text with NULs between the characters. A line that is not a JSON object, a record that lacks the field
-  or holds something other than a string there is an error naming the file and line (row group and row).
+  it would be its text with NULs between the characters. A line that is not a JSON object, a record that
+  lacks the field or holds something other than a string there is an error naming the file and line (row
+  group and row).
 """
 import glob
 import gzip
