@@ -1127,10 +1127,10 @@ def run_ladder(env):
     def save(rows, complete=False):  # after every rung: a run cut short (a time limit, a crash) keeps its rows
         meta.update(runtime_s=round(time.time() - t0, 1), complete=complete)
         write_whole(os.path.join(env.out, 'bench.json'), json.dumps(dict(meta, rungs=rows), indent=1))
-        write_whole(os.path.join(env.out, 'bench.md'), markdown(rows, meta))
+        write_whole(os.path.join(env.out, 'bench.md'), table := markdown(rows, meta))
+        return table
     rows = ladder(env, save)
-    save(rows, complete=True)
-    table = markdown(rows, meta)
+    table = save(rows, complete=True)
     note = plot(rows, meta, os.path.join(env.out, 'bench.png'))
     print(f"\nwrote {env.out}/bench.json, bench.md" + (f"; {note}" if note else ", bench.png") + "\n\n" + table)
     return 0

@@ -154,18 +154,17 @@ def check_start(path, head):
     return len(UTF8_BOM) if head.startswith(UTF8_BOM) else 0
 
 
-def text_start(path):
-    """Where a text file's text begins: after a UTF-8 byte-order mark, if it has one (check_start)."""
-    with open(path, 'rb') as f:
-        return check_start(path, f.read(4096))
+def text_start(f, path):
+    """Where the text of a file open at its start, f, begins: after a UTF-8 byte-order mark, if it has one
+    (check_start)."""
+    return check_start(path, f.read(4096))
 
 
 def text_pieces(path, start=0):
     """A text file as one document, from byte `start` of its text (text_start: a UTF-8 byte-order mark is none
     of it): (data, False) about CHUNK_BYTES at a time, each ending at a cut_point, then (the rest, True)."""
-    start += text_start(path)
     with open(path, 'rb') as f:
-        f.seek(start)
+        f.seek(start + text_start(f, path))
         data = f.read(CHUNK_BYTES)
         # NOTE: read one block ahead: the last block is never cut (a cut in a last line that has no
         # newline would split its final word into two tokens)
@@ -260,7 +259,8 @@ def text_size(path, text_field):
         if path.lower().endswith(COMPRESSED):
             raise ValueError(f"{path}: a compressed file, and not one prepare_data.py reads (.jsonl.gz, "
                              f".json.gz): decompress it first")
-        return os.path.getsize(path) - text_start(path)
+        with open(path, 'rb') as f:
+            return os.path.getsize(path) - text_start(f, path)
     return sum(len(data) for data, _ in pieces(path, text_field))
 
 

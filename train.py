@@ -1240,11 +1240,13 @@ def setup(cfg, argv, device, rank, world):
     r.meta = meta = read_meta(cfg.data_dir)
     r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
     if r.vocab < meta['vocab_size']:
-        whose = (f"the model's vocab_size={r.vocab} ({cfg.init_from[3:]}/config.json)" if is_hf(cfg) else
-                 f"vocab_size={r.vocab}")  # (hf: a vocab_size flag that differs from the model's is an error)
-        raise TrainError(f"{whose} is smaller than the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/"
-                         f"meta.json)" + (f": finetune on data prepared with the model's tokenizer (prepare_data.py "
-                                          f"--tokenizer=hf:{cfg.init_from[3:]})" if is_hf(cfg) else ''))
+        theirs = f"the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/meta.json)"
+        if is_hf(cfg):  # the model's, which no vocab_size flag may change (model_shape)
+            path = cfg.init_from[3:]
+            raise TrainError(f"the model's vocab_size={r.vocab} ({path}/config.json) is smaller than {theirs}: "
+                             f"finetune on data prepared with the model's tokenizer (prepare_data.py "
+                             f"--tokenizer=hf:{path})")
+        raise TrainError(f"vocab_size={r.vocab} is smaller than {theirs}")
     train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
     val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
