@@ -1840,17 +1840,19 @@ def test_bad_value_from_the_command_line(data, tmp_path):
     (['--optimizer=muon', '--muon_split=True', '--lr_schedule=wsd', '--wsd_decay_frac=0.4'], []),
     (['--compile_mode=max-autotune', '--fp8_recipe=rowwise', '--wandb_project=p', '--wandb_run_name=r'],
      ["compile_mode='max-autotune'", "fp8_recipe='rowwise'", "wandb_project='p'", "wandb_run_name='r'"]),
+    (['--parallelism=fsdp'], ["parallelism='fsdp'"]),
+    (['--parallelism=ddp'], []),
 ])
 def test_a_setting_that_this_run_does_not_read_is_a_warning(data, tmp_path, capsys, flags, named):
     # Reference: the flags given. A Muon-only setting under AdamW, the WSD decay fraction under cosine, a
-    # compile mode without compile, an FP8 recipe without FP8, wandb's names without wandb, change nothing: the
-    # run goes on (max_iters=0: set-up and the first evaluation only) and says so on
-    # stderr, once per setting, naming it and what it applies to; the same settings where they apply, none.
+    # compile mode without compile, an FP8 recipe without FP8, wandb's names without wandb, FSDP in one process,
+    # change nothing: the run goes on (max_iters=0: set-up and the first evaluation only) and says so on stderr,
+    # once per setting, naming it and what it applies to; the same settings where they apply, none.
     assert train.main(args(data, tmp_path / 'out', '--max_iters=0', *flags)) == 0
     warnings = re.findall(r'^warning: (.*has no effect.*)$', capsys.readouterr().err, re.M)
     assert [w.split(' ')[0] for w in warnings] == named, warnings
     applies = {'muon': "optimizer='muon'", 'wsd': "lr_schedule='wsd'", 'compile': 'compile=True', 'fp8': 'fp8=True',
-               'wandb': 'wandb_log=True'}
+               'wandb': 'wandb_log=True', 'parallelism': 'under torchrun'}
     assert all(next(v for k, v in applies.items() if w.startswith(k)) in w for w in warnings), warnings
 
 

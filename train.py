@@ -1727,8 +1727,12 @@ def report(r):
                                                  r.world > 1 and cfg.parallelism == 'fsdp')
     say(f"  residual stream   {residual}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
-    # setting_warnings, and autocast_residual's, which needs the run's dtype (dtype='auto' is resolved at setup)
+    # setting_warnings, autocast_residual's, which needs the run's dtype (dtype='auto' is resolved at setup), and
+    # parallelism's, which needs the number of processes
     warnings = setting_warnings(cfg) + ([residual_warning] if residual_warning else [])
+    if r.world == 1 and cfg.parallelism != DEFAULTS['parallelism']:
+        warnings.append(f"parallelism={cfg.parallelism!r} has no effect: one process runs the whole model; it applies "
+                        f"under torchrun, with more than one process")
     for warning in warnings:
         say(f"warning: {warning}", file=sys.stderr)
 
