@@ -40,11 +40,11 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   them into place, meta.json last: a crash never leaves a half-written dataset that looks complete. A
   file that cannot be read or written is a one-line error naming it.
 - Decodes UTF-8 with errors='replace': an invalid byte (or a lone surrogate escaped in JSON) becomes
-  U+FFFD instead of stopping the run. A text or JSON-lines file in UTF-16 or UTF-32 (by its byte-order mark,
-  or NUL bytes as a quarter of its first bytes or more) is an error naming it (check_start): decoded as UTF-8
-  it would be its text with NULs between the characters. A line that is not a JSON object, a record that
-  lacks the field or holds something other than a string there is an error naming the file and line (row
-  group and row).
+  U+FFFD instead of stopping the run, and a warning at the end counts them in each file (replacements). A
+  text or JSON-lines file in UTF-16 or UTF-32 (by its byte-order mark, or NUL bytes as a quarter of its first
+  bytes or more) is an error naming it (check_start): decoded as UTF-8 it would be its text with NULs between
+  the characters. A line that is not a JSON object, a record that lacks the field or holds something other
+  than a string there is an error naming the file and line (row group and row).
 """
 import glob
 import gzip
@@ -313,13 +313,25 @@ def find_split(paths, sizes, text_field, val_fraction):
     return total
 
 
-def read_chunks(paths, text_field, split_at):
+def replacements(data):
+    """How many U+FFFD characters decoding data with errors='replace' puts in place of bytes that are not UTF-8."""
+    try:
+        data.decode('utf-8')
+        return 0
+    except UnicodeDecodeError:  # U+FFFD that were in the text already are not counted
+        return data.decode('utf-8', errors='replace').count('\ufffd') - data.count('\ufffd'.encode('utf-8'))
+
+
+def read_chunks(paths, text_field, split_at, replaced=None):
     """Yield (split, chunk) through the input in order: split is 0 (train) or 1 (val), chunk a list of
     (data, end_of_document) pieces of about CHUNK_BYTES in all. A piece that ends at or before split_at
-    is train: a document that ends there gets its eot in train."""
+    is train: a document that ends there gets its eot in train. replaced, a dict, gets the number of
+    replacements in each file that has some."""
     chunk, size, offset, split = [], 0, 0, 0
     for path in paths:
         for data, end in pieces(path, text_field):
+            if replaced is not None and (n := replacements(data)):
+                replaced[path] = replaced.get(path, 0) + n
             parts = [(data, end)]
             if offset < split_at < offset + len(data):  # the split falls inside this piece
                 parts = [(data[:split_at - offset], False), (data[split_at - offset:], end)]
@@ -659,8 +671,9 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
     try:
-        t0 = time.time()
-        counts = write_tokens(read_chunks(paths, text_field, split_at), total, encode_chunk, eot, dtype, temp)
+        t0, replaced = time.time(), {}
+        counts = write_tokens(read_chunks(paths, text_field, split_at, replaced), total, encode_chunk, eot, dtype,
+                              temp)
         seconds = max(time.time() - t0, 1e-6)
         meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=np.dtype(dtype).name,
                     train_tokens=counts[0], val_tokens=counts[1], val_fraction=val_fraction,
@@ -681,6 +694,11 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
     for path, count in zip(final, counts):
         print(f"wrote {path}: {count:,} tokens ({meta['dtype']})")
     print(f"wrote {final[2]}: tokenizer {tokenizer}, vocab_size {vocab_size:,}")
+    if replaced:  # the dataset is written, but its text is not quite the input's
+        files = [f"{path} ({n:,})" for path, n in replaced.items()]
+        files = files[:5] + ([f"and {len(files) - 5} more files"] if len(files) > 5 else [])
+        print(f"warning: {sum(replaced.values()):,} U+FFFD characters stand for bytes that are not UTF-8 "
+              f"(errors='replace'), in {', '.join(files)}", file=sys.stderr)
     return meta
 
 

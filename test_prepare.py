@@ -208,6 +208,28 @@ def test_cl100k_of_invalid_utf8_encodes_the_replacement_character(tmp_path):
     assert val.tolist() == enc.encode_ordinary(data[k:].decode('utf-8', errors='replace')) + [enc.eot_token]
 
 
+def test_bytes_that_are_not_utf8_are_counted_in_a_warning_naming_each_file(tmp_path, monkeypatch, capsys):
+    # Reference: the dataset itself, decoded: its U+FFFD characters, less those the input held as text, are the
+    # replacements the warning counts, file by file (3 a line in a.txt: a bad byte, a lead byte without its
+    # continuation, a character cut short; 3 for the JSON line's lone surrogate, whose 3 bytes decode one by one).
+    # Pieces of 64 bytes, so that the count crosses pieces and the split; a clean input, no warning.
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 64)
+    (tmp_path / 'a.txt').write_bytes(b'caf\xff ok \xc3 bad\xe6\x97 end \xef\xbf\xbd\n' * 40)
+    write(tmp_path / 'b.txt', 'clean text \ufffd\n' * 20)
+    write(tmp_path / 'c.jsonl', '{"text": "lone \\ud800 surrogate"}\n{"text": "fine"}\n')
+    capsys.readouterr()
+    prepare(f"{tmp_path / 'b.txt'}", 'char', str(tmp_path / 'clean'), 0.1)
+    assert 'warning' not in capsys.readouterr().err
+    meta = prepare(','.join(str(tmp_path / n) for n in ('a.txt', 'b.txt', 'c.jsonl')), 'char', str(tmp_path / 'out'),
+                   0.1)
+    _, train, val = load(tmp_path / 'out')
+    text = get_tokenizer(meta)[1](train.tolist() + val.tolist())
+    assert text.count('\ufffd') - 40 - 20 == 120 + 3
+    warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
+    assert warnings == [f"123 U+FFFD characters stand for bytes that are not UTF-8 (errors='replace'), in "
+                        f"{tmp_path / 'a.txt'} (120), {tmp_path / 'c.jsonl'} (3)"], warnings
+
+
 @pytest.mark.parametrize('name', ['gpt2', 'cl100k_base'])
 def test_bpe_unavailable_offline_names_the_choices(tmp_path, monkeypatch, name):
     tiktoken = pytest.importorskip('tiktoken')
