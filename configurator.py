@@ -8,8 +8,8 @@ Arguments are applied in order: config files (a .py file of literal assignments 
 `n_layer = 6`), then flags; a config file that sets a key an earlier flag set is an error (the flag would
 silently lose). An unknown key is an error naming it and the closest real key; a value of
 the wrong type is an error naming the key, the value and the expected type. An int is accepted where
-a float is expected; bools are written True/False. --help (or -h) prints every key with its default and,
-given the script's source, the comment beside it there (key_comments).
+a float is expected; bools are written True/False. --help (or -h), wherever it stands, prints every key
+with its default and, given the script's source, the comment beside it there (key_comments).
 """
 import ast
 import difflib
@@ -115,17 +115,17 @@ def key_comments(path):
 def configure(defaults, argv, source=None):
     """Apply config files and --key=value flags from argv, in order, to a copy of defaults. source: the file that
     sets the defaults, whose comments --help shows."""
+    if '--help' in argv or '-h' in argv:  # wherever it is: the other arguments are not read, nor their errors
+        notes = key_comments(source) if source else {}
+        try:
+            print("arguments: config files (`key = value` lines), then --key=value flags. The keys, with their "
+                  "defaults:\n" + '\n'.join(f"  {k} = {v!r}" + (f"  # {notes[k]}" if notes.get(k) else '')
+                                             for k, v in defaults.items()), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted (the recipe of Python's docs)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     config, flags = dict(defaults), {}
     for arg in argv:
-        if arg in ('--help', '-h'):
-            notes = key_comments(source) if source else {}
-            try:
-                print("arguments: config files (`key = value` lines), then --key=value flags. The keys, with their "
-                      "defaults:\n" + '\n'.join(f"  {k} = {v!r}" + (f"  # {notes[k]}" if notes.get(k) else '')
-                                                 for k, v in defaults.items()), flush=True)
-            except BrokenPipeError:  # `--help | head`: the reader has what it wanted (the recipe of Python's docs)
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(0)
         if arg.startswith('--'):
             key, sep, text = arg[2:].partition('=')
             if not sep:

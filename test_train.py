@@ -998,9 +998,9 @@ def test_wrong_type_names_key_value_and_type(arg, key, got, expected):
 @pytest.mark.parametrize('flag', ['--help', '-h'])
 def test_help_lists_every_key_with_its_default(flag, capsys):
     # Reference: train.DEFAULTS, each key once with its repr, the defaults even after a flag changed one;
-    # nothing after --help is read (a bad key there)
+    # no other argument is read, before --help or after it (a bad key, a config file that does not exist)
     with pytest.raises(SystemExit) as e:
-        configure(train.DEFAULTS, ['--batch_size=3', flag, '--no_such_key=1'])
+        configure(train.DEFAULTS, ['--no_such_key=1', 'no_such_file.py', '--batch_size=3', flag, '--no_such_key=1'])
     assert e.value.code == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert lines == [f"  {k} = {v!r}" for k, v in train.DEFAULTS.items()]
