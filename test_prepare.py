@@ -253,11 +253,16 @@ def test_bpe_unavailable_offline_names_the_choices(tmp_path, monkeypatch, name):
 
 @pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base'])
 def test_deterministic(tmp_path, tokenizer):
+    # Reference: the files of one run. Two processes, with other string hashes (set and dict orders) and other
+    # numbers of threads, write the same bytes.
     if tokenizer != 'char':
         cl100k_offline()
     path = write(tmp_path / 'a.txt', random_text(2, 3000))
-    for out in ('one', 'two'):
-        prepare(path, tokenizer, str(tmp_path / out), 0.1)
+    for out, seed, threads in (('one', '1', 1), ('two', '2', 2)):
+        run = subprocess.run([sys.executable, os.path.join(HERE, 'prepare_data.py'), f'--input={path}',
+                              f'--tokenizer={tokenizer}', f'--data_dir={tmp_path / out}', f'--threads={threads}'],
+                             env={**os.environ, 'PYTHONHASHSEED': seed}, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
     for name in prepare_data.OUTPUTS:
         assert (tmp_path / 'one' / name).read_bytes() == (tmp_path / 'two' / name).read_bytes()
 
@@ -981,12 +986,28 @@ def test_progress_reports_rates_and_totals(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     lines = [ln for ln in err.replace('\r', '\n').splitlines() if ln.startswith('tokens:')]
     assert len(lines) >= 5 and all('MB/s' in ln and 'tokens/s' in ln for ln in lines)
-    counts = [int(re.search(r'([\d,]+) tokens,', ln).group(1).replace(',', '')) for ln in lines]
-    assert counts == sorted(counts) and counts[-1] == meta['train_tokens'] + meta['val_tokens']
+    found = [re.search(r'([\d,]+) tokens, ([\d,]+) tokens/s', ln).groups() for ln in lines]
+    counts, rates = zip(*[[int(n.replace(',', '')) for n in pair] for pair in found])
+    assert list(counts) == sorted(counts) and counts[-1] == meta['train_tokens'] + meta['val_tokens']
+    # each line's rate is its count over the clock's whole seconds since the start, which grow line by line
+    seconds = [round(n / rate) for n, rate in zip(counts, rates)]
+    assert seconds == sorted(set(seconds))
+    assert all(abs(n / s - rate) <= 0.5 for n, s, rate in zip(counts, seconds, rates))
     total = meta['train_tokens'] + meta['val_tokens']
     size = sum(len(d.encode()) for d in documents())
-    assert re.search(rf'encoded {size / 1e6:.1f} MB into {total:,} tokens in [\d.]+ s: [\d.]+ MB/s, [\d,]+ '
-                     rf'tokens/s \(\d+ threads\)', out)
+    m = re.search(rf'encoded {size / 1e6:.1f} MB into {total:,} tokens in ([\d.]+) s: [\d.]+ MB/s, ([\d,]+) '
+                  rf'tokens/s \(\d+ threads\)', out)
+    assert m and round(total / float(m.group(1))) == int(m.group(2).replace(',', '')), out
+
+
+def test_progress_line_arithmetic(monkeypatch, capsys):
+    # Reference: the arithmetic by hand: 3 MB of 6 MB and 500,000 tokens in the 2 s since t0
+    monkeypatch.setattr(prepare_data.time, 'time', lambda: 1002.0)
+    monkeypatch.setattr(prepare_data, '_last_progress', [0.0])
+    prepare_data.progress('tokens', 3_000_000, 6_000_000, 1000.0, 500_000)
+    prepare_data.progress('characters', 6_000_000, 6_000_000, 1000.0)
+    assert capsys.readouterr().err == ('\rtokens:  50.0% of 6.0 MB, 1.5 MB/s, 500,000 tokens, 250,000 tokens/s'
+                                       '\rcharacters: 100.0% of 6.0 MB, 3.0 MB/s\n')
 
 
 def test_val_starts_at_a_document_end_on_the_target(tmp_path):

@@ -2344,7 +2344,10 @@ def test_rmsnorm_off_the_cpu_path_matches_the_cpu_path_on_bf16_input():
 def test_dropout_is_off_in_eval_mode_and_drops_attention_weights_in_train_mode():
     # Reference: nn.Dropout / SDPA's dropout_p semantics: in eval mode dropout is the identity, so a model with
     # dropout=0.5 gives exactly the logits of the same weights with dropout=0; in train mode the attention's own
-    # dropout (on the attention weights, before proj) changes what proj reads against the dropout-free attention.
+    # dropout (on the attention weights, before proj) changes what proj reads against the dropout-free attention:
+    # the first position attends to itself alone, so each head's output there is dropped or doubled whole (its
+    # one weight is); later positions mix their values anew, where dropout on the output would only zero or double
+    # each element.
     x, _ = random_batch(0, 2, 16, 32)
     with torch.no_grad():
         logits, _ = tiny_model(dropout=0.5).eval()(x)
@@ -2361,6 +2364,11 @@ def test_dropout_is_off_in_eval_mode_and_drops_attention_weights_in_train_mode()
         attn.eval()(h, cos, sin)
     dropped, plain = seen
     assert not torch.allclose(dropped, plain)
+    first, want = (t[:, 0].view(2, attn.n_head, -1) for t in (dropped, plain))
+    kept = first.ne(0).any(-1)
+    assert kept.any() and not kept.all()  # both happen among the 2 x n_head heads (seed 1)
+    assert torch.allclose(first[kept], 2 * want[kept]) and first[~kept].eq(0).all()
+    assert not torch.equal(dropped[:, 1:], torch.where(dropped[:, 1:] != 0, 2 * plain[:, 1:], 0.0))
 
 
 def test_rmsnorm_under_cpu_autocast_uses_the_norms_eps():
