@@ -56,7 +56,8 @@ each timed step's, in order (`losses`: averaged over many steps, they compare tw
 than one step's loss; from 20 timed steps on, bench.md gives each rung's mean over the last half: loss_means).
 The learning rate is train.py's, constant, or warmed up linearly over the first steps (--lr_warmup).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
-torch, model, batch, date and command line.
+torch, model, batch, date and command line. On the CPU, --threads sets torch's threads (a busy machine can be
+faster on fewer).
 """
 import collections
 import gc

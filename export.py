@@ -14,7 +14,8 @@ converted here) and for a Hugging Face tokenizer the data was prepared with (cop
 meta, with its chat_template.jinja where it had one). A character-level vocabulary has no transformers
 tokenizer: the export says so and writes char_vocab.json (the characters, in id order) instead. A directory
 that holds files transformers would read beside these (another export's tokenizer, sharded weights: FOREIGN)
-is refused, never mixed with this export.
+is refused, never mixed with this export. So is a model that Llama and Qwen3 cannot compute (hf_config): one
+trained with logit_softcap, x0_mix or an MLP other than SwiGLU.
 An export that fails (a full disk, a tokenizer that cannot be had) leaves the directory as it was: the files are
 written apart, then moved in.
 

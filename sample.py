@@ -2,11 +2,13 @@
 Print text from a trained model. The model's shape and the tokenizer come from the checkpoint.
 
     python sample.py --out_dir=out-small
-    python sample.py --out_dir=out-small --start="ROMEO:" --num_samples=2 --temperature=0.9 --top_p=0.95
+    python sample.py --out_dir=out-small --ckpt=best.pt --start="ROMEO:" --num_samples=2 --top_p=0.95
 
-Flags are read by configurator.py, like train.py's; --start=FILE:prompt.txt reads the prompt from a file. A
-sample ends at the data's end-of-text token (meta.json's eot_token: tiktoken's <|endoftext|>, an hf tokenizer's
-eos), which is not printed; --stop_at_eot=False prints every token drawn, past it.
+Flags are read by configurator.py, like train.py's; --ckpt picks ckpt.pt (the latest) or best.pt (the lowest val
+loss); --start=FILE:prompt.txt reads the prompt from a file. A prompt longer than the model's block_size is cut to
+its last block_size tokens, with a note on stderr. A sample ends at the data's end-of-text token (meta.json's
+eot_token: tiktoken's <|endoftext|>, an hf tokenizer's eos), which is not printed; --stop_at_eot=False prints every
+token drawn, past it. The samples are one batch: out of memory is an error that asks for fewer (num_samples).
 """
 import os
 import sys

@@ -25,8 +25,10 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   non-finite losses and gradients away from the weights (max_nonfinite_steps in a row stop the run; weights
   that are not finite are never saved: weights_finite).
 - configure_optimizer (weight decay on matrices only): AdamW, fused on CUDA; bitsandbytes' 8-bit AdamW
-  (adamw8bit, paged_adamw8bit); Muon for the blocks' matrices (its Newton-Schulz in bf16 where native:
-  muon_ns_dtype); torchao's CPU-offload AdamW. get_lr: warmup + cosine or WSD. Label smoothing.
+  (adamw8bit; paged_adamw8bit, refused where its state would not fit in free GPU memory, and paged again on
+  resume: make_paged_state, restore_paged_state); Muon for the blocks' matrices (muon_split, muon_momentum,
+  muon_ns_steps; its Newton-Schulz in bf16 where native: muon_ns_dtype); torchao's CPU-offload AdamW. get_lr:
+  warmup + cosine or WSD. Label smoothing.
 - FP8 (convert_to_fp8, fp8_layer_filter, cast_first): torchao float8 training of the large linear layers.
 - autocast_residual: the residual stream in autocast's dtype (model.autocast_residual).
 - activation checkpointing (full or selective), torch.compile (every shape of a step or an evaluation
@@ -39,20 +41,23 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   loaded with weights_only=True; exact resume including data and RNG state, with the changed settings printed
   (config_diff); refused on data with another vocabulary (vocabulary_mismatch), on another shape (SHAPE_KEYS)
   or optimizer (OPTIMIZER_KEYS), or on a model setting this model.py lacks; the best val loss starts over when
-  what it depends on changes (EVAL_KEYS, eval_changes); a scratch run moves an earlier run's files aside
-  instead of overwriting them.
+  what it depends on changes (EVAL_KEYS, eval_changes); a resume cuts metrics.jsonl back to its checkpoint
+  (truncate_metrics); a scratch run moves an earlier run's files aside instead of overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
   Out of memory in a step or an evaluation: a one-line error with what to change (memory_advice) and the last
   checkpoint (last_checkpoint).
 - torchrun: DDP or FSDP2 (parallelism), gloo on CPU; under DDP the gradients are views of its all-reduce
-  buckets (grad_views); gradient_accumulation_steps is the global count;
+  buckets (grad_views), buffers are not broadcast, and compile with activation checkpointing makes one graph
+  (optimize_ddp off); FSDP2 shards each block (the last stays unsharded after its forward) and refuses float16,
+  optimizers other than AdamW, and CUDA-graph compile modes with accumulation; in one process parallelism is a
+  warning; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
   out_dir/metrics.jsonl gets the loss, lr, tokens/s, MFU, peak memory and the eval losses, each line with the
-  tokens so far and time_s (wall seconds since the process started), drawn into out_dir/metrics.png at the
+  tokens so far and time_s (wall seconds since train.py started: START_TIME), drawn into out_dir/metrics.png at the
   evaluations at least PLOT_EVERY_S apart and at the last (plot_metrics, with plot.py) and, with
   wandb_log=True, sent to Weights & Biases (start_wandb);
   the optimizer state's bytes per parameter and where it lives (state_where: GPU, CPU or paged managed memory).
