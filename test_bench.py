@@ -168,9 +168,10 @@ def test_fp8_rung_converts_with_the_recipe_asked_for(monkeypatch, recipe):
         bench.setup([*TINY, '--fp8_recipe=columnwise'])
 
 
-def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
+def test_profile_mode_writes_the_shares_of_each_kind(tmp_path, monkeypatch):
     # Reference: the kinds of known kernel names (CUDA's, as the profiler reports them), and on the CPU a
-    # profile whose shares cover all the operator time: the optimizer's step and the matmuls are there.
+    # profile whose shares cover all the operator time: the optimizer's step and the matmuls are there, the
+    # optimizer's share holding at least all the time the profiler's call tree puts under Optimizer.step.
     names = {'sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64': 'matmul',
              'nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN': 'matmul',
              'void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>': 'attention',
@@ -192,6 +193,8 @@ def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
              'aten::_scaled_mm': 'matmul'}
     for name, kind in names.items():
         assert bench.kind_of(name) == kind, name
+    profiles, run_rung = [], bench.run_rung
+    monkeypatch.setattr(bench, 'run_rung', lambda *a, **k: profiles.append(run_rung(*a, **k)) or profiles[-1])
     assert bench.main([*TINY, f'--out={tmp_path}', '--mode=profile']) == 0
     text = (tmp_path / 'profile.md').read_text()
     shares = dict(re.findall(r'^\| ([a-z ]+) \| [\d,.]+ \| ([\d.]+)% \|$', text, re.M))
@@ -206,6 +209,12 @@ def test_profile_mode_writes_the_shares_of_each_kind(tmp_path):
     for kind in {kind for kind, _ in rows}:
         listed = [float(ms.replace(',', '')) for k, ms in rows if k == kind]
         assert sum(listed) <= float(times[kind].replace(',', '')) + 0.05 * len(listed), kind
+
+    def under_step(e):
+        return e is not None and (e.name.startswith('Optimizer.step') or under_step(e.cpu_parent))
+    step_ms = sum(e.self_cpu_time_total for e in profiles[0]['timed'].events()
+                  if e.device_type == torch.autograd.DeviceType.CPU and under_step(e)) / 1000
+    assert step_ms > 0 and float(times['optimizer'].replace(',', '')) >= step_ms - 0.051  # (clipping's ops: more)
 
 
 def fake_kernel(name, start, end):
@@ -815,10 +824,12 @@ def test_a_bad_setting_is_a_config_error_naming_it(flag, message):
 
 
 def test_the_report_records_the_run_conditions(result):
-    # Reference: the run's flags (the tiny preset on the CPU) and the model built from the recorded shape, its
-    # parameters counted once each (the tied head is the embedding)
+    # Reference: the run's flags (the tiny preset on the CPU), the torch that ran it with its threads (one, as this
+    # file sets them), and the model built from the recorded shape, its parameters counted once each (the tied head
+    # is the embedding)
     report, _ = result
     assert (report['preset'], report['device_type']) == ('tiny', 'cpu')
+    assert report['torch'] == torch.__version__ and re.fullmatch(r'cpu: .+, 1 threads', report['device'])
     assert report['memory'] == 'n/a on cpu' and report['runtime_s'] >= 0
     model = GPT(GPTConfig(**report['model']))
     assert report['params'] == sum(p.numel() for p in model.parameters())
@@ -1319,18 +1330,27 @@ def test_why_skip_on_each_kind_of_device(monkeypatch):
 
 
 def test_the_chart_draws_tokens_peak_and_activation_memory(monkeypatch, tmp_path):
-    # Reference: the rows' figures, as drawn: the three panels' bars (a figure that is n/a drawn as 0)
+    # Reference: the rows' figures, as drawn: the three panels' bars (a figure that is n/a drawn as 0), each bar
+    # named for the row whose figure it draws (its rung, its name, a status other than ok), each panel for its figure
     pytest.importorskip('matplotlib')
     import matplotlib.axes
-    drawn, real_barh = [], matplotlib.axes.Axes.barh
+    drawn, labels, real_barh, real_xlabel = [], [], matplotlib.axes.Axes.barh, matplotlib.axes.Axes.set_xlabel
     monkeypatch.setattr(matplotlib.axes.Axes, 'barh', lambda self, names, values, **kw: drawn.append(
         (list(names), list(values))) or real_barh(self, names, values, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, 'set_xlabel', lambda self, text, *a, **kw: labels.append(text)
+                        or real_xlabel(self, text, *a, **kw))
     rows, _, env = stand_in_ladder(monkeypatch)
     bench.plot(rows, env.meta, str(tmp_path / 'bench.png'))
     assert len(drawn) == 3 and all(len(names) == len(rows) for names, _ in drawn)
     assert [values for _, values in drawn] == [[r[key] or 0 for r in rows] for key in (
         'tokens_per_sec', 'peak_mem_mb', 'activation_mb')]
     assert any(drawn[2][1]) and not any(drawn[1][1])  # activations measured on the CPU, peak memory n/a
+    for names, _ in drawn:
+        assert [n.split('. ', 1)[0] for n in names] == [str(r['rung']) for r in rows]
+        assert all(r['name'] in n and n.endswith('' if r['status'] == 'ok' else f"({r['status']})")
+                   for n, r in zip(names, rows)), names
+    assert labels[0] == 'tokens/s' and labels[1].startswith('peak memory')
+    assert labels[2].startswith('saved for backward')
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -107,6 +107,8 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
               for run in (a, b)}
     assert all(len(c) == 1 for c in colors.values()) and colors[a] != colors[b], colors
     assert [ax.get_xlabel() for ax in figures[0].axes] == ['iteration', 'tokens', 'iteration', 'iteration']
+    assert [ax.get_title() for ax in figures[0].axes] == ['loss vs iteration', 'loss vs tokens',
+                                                          'learning rate vs iteration', 'tokens/s vs iteration']
     tokens_lines = {tuple(ln.get_ydata()): list(ln.get_xdata()) for ln in by_tokens.lines}
     assert tokens_lines[(3.71, 3.45)] == [0, 64] and tokens_lines[(3.69, 3.5)] == [32, 64]  # no tokens: left out
     # the legend: each run's loss fields, by the run's normalised name (b was given as b/)
