@@ -700,8 +700,8 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
     if replaced:  # the dataset is written, but its text is not quite the input's
         files = [f"{path} ({n:,})" for path, n in replaced.items()]
         files = files[:5] + ([f"and {len(files) - 5} more files"] if len(files) > 5 else [])
-        print(f"warning: {sum(replaced.values()):,} U+FFFD characters stand for bytes that are not UTF-8 "
-              f"(errors='replace'), in {', '.join(files)}", file=sys.stderr)
+        print(f"warning: {sum(replaced.values()):,} U+FFFD characters replace what is not UTF-8 text (invalid "
+              f"bytes; in JSON, lone surrogates), in {', '.join(files)}", file=sys.stderr)
     return meta
 
 

@@ -226,8 +226,8 @@ def test_bytes_that_are_not_utf8_are_counted_in_a_warning_naming_each_file(tmp_p
     text = get_tokenizer(meta)[1](train.tolist() + val.tolist())
     assert text.count('\ufffd') - 40 - 20 == 120 + 3
     warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
-    assert warnings == [f"123 U+FFFD characters stand for bytes that are not UTF-8 (errors='replace'), in "
-                        f"{tmp_path / 'a.txt'} (120), {tmp_path / 'c.jsonl'} (3)"], warnings
+    assert warnings == [f"123 U+FFFD characters replace what is not UTF-8 text (invalid bytes; in JSON, lone "
+                        f"surrogates), in {tmp_path / 'a.txt'} (120), {tmp_path / 'c.jsonl'} (3)"], warnings
 
 
 @pytest.mark.parametrize('name', ['gpt2', 'cl100k_base'])
