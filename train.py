@@ -38,11 +38,12 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state, with the changed settings printed
-  (config_diff); refused on data with another vocabulary (vocabulary_mismatch), on another shape (SHAPE_KEYS)
-  or optimizer (OPTIMIZER_KEYS), or on a model setting this model.py lacks; the best val loss starts over when
-  what it depends on changes (EVAL_KEYS, eval_changes); a resume cuts metrics.jsonl back to its checkpoint
-  (truncate_metrics); a scratch run moves an earlier run's files aside instead of overwriting them.
+  loaded with weights_only=True; exact resume including data and RNG state (on the CPU bit for bit, eager or
+  compiled on one thread: README), with the changed settings printed (config_diff); refused on data with
+  another vocabulary (vocabulary_mismatch), on another shape (SHAPE_KEYS) or optimizer (OPTIMIZER_KEYS), or on
+  a model setting this model.py lacks; the best val loss starts over when what it depends on changes
+  (EVAL_KEYS, eval_changes); a resume cuts metrics.jsonl back to its checkpoint (truncate_metrics); a scratch
+  run moves an earlier run's files aside instead of overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
