@@ -1706,7 +1706,7 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
         else:
             cfg = SimpleNamespace(**configure(train.DEFAULTS, argv))
             train.check_config(cfg)
-            assert train.setting_warnings(cfg) == [], argv  # a setting that changes nothing is a mistake there
+            assert train.setting_warnings(cfg, 1) == [], argv  # a setting that changes nothing is a mistake there
     for call in calls:
         if call[:2] == ['-m', 'pytest']:
             assert os.path.exists(os.path.join(HERE, call[-1])), call

@@ -58,8 +58,8 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   depend on the number of processes.
 - logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
   out_dir/metrics.jsonl gets the loss, lr, tokens/s, MFU, peak memory and the eval losses, each line with the
-  tokens so far and time_s (wall seconds since train.py started: START_TIME), drawn into out_dir/metrics.png at the
-  evaluations at least PLOT_EVERY_S apart and at the last (plot_metrics, with plot.py) and, with
+  tokens so far and time_s (wall seconds since train.py started: START_TIME), drawn into out_dir/metrics.png
+  at the evaluations at least PLOT_EVERY_S apart and at the last (plot_metrics, with plot.py) and, with
   wandb_log=True, sent to Weights & Biases (start_wandb);
   the optimizer state's bytes per parameter and where it lives (state_where: GPU, CPU or paged managed memory).
 """
@@ -1126,17 +1126,20 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
                 'wandb_run_name': ('wandb_log', True)}
 
 
-def setting_warnings(cfg):
+def setting_warnings(cfg, world):
     """Warnings for the APPLIES_ONLY settings that are set but not read in this run (zero_init_proj too, under
-    init_from=hf:), for a learning-rate schedule cut short (no decay, or not to its end), for a new run that neither
-    trains nor evaluates, for half of the short-block pair set without the other, and for short blocks that last the
-    whole run."""
+    init_from=hf:; parallelism where the run's `world` is one process), for a learning-rate schedule cut short (no
+    decay, or not to its end), for a new run that neither trains nor evaluates, for half of the short-block pair set
+    without the other, and for short blocks that last the whole run."""
     warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
     warnings += [f"{key}={getattr(cfg, key)!r} has no effect: {other}=0" for key, other in
                  (('short_block_size', 'short_block_iters'), ('short_block_iters', 'short_block_size'))
                  if getattr(cfg, key) and not getattr(cfg, other)]
+    if world == 1 and cfg.parallelism != DEFAULTS['parallelism']:
+        warnings.append(f"parallelism={cfg.parallelism!r} has no effect: one process runs the whole model; it applies "
+                        f"under torchrun, with more than one process")
     # a schedule cut short (a quick try of a long run's config) trains at a rate its config never meant
     if cfg.warmup_iters >= cfg.max_iters > 0:
         warnings.append(f"warmup_iters={cfg.warmup_iters} is at least max_iters={cfg.max_iters}: the learning rate "
@@ -1733,12 +1736,8 @@ def report(r):
                                                  r.world > 1 and cfg.parallelism == 'fsdp')
     say(f"  residual stream   {residual}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
-    # setting_warnings, autocast_residual's, which needs the run's dtype (dtype='auto' is resolved at setup), and
-    # parallelism's, which needs the number of processes
-    warnings = setting_warnings(cfg) + ([residual_warning] if residual_warning else [])
-    if r.world == 1 and cfg.parallelism != DEFAULTS['parallelism']:
-        warnings.append(f"parallelism={cfg.parallelism!r} has no effect: one process runs the whole model; it applies "
-                        f"under torchrun, with more than one process")
+    # setting_warnings, and autocast_residual's, which needs the run's dtype (dtype='auto' is resolved at setup)
+    warnings = setting_warnings(cfg, r.world) + ([residual_warning] if residual_warning else [])
     for warning in warnings:
         say(f"warning: {warning}", file=sys.stderr)
 
