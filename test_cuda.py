@@ -18,7 +18,8 @@ reduce-overhead, adamw8bit, paged_adamw8bit, muon, optimizer_offload and fused A
 reference, FP8 tensorwise and rowwise under compile, activation checkpointing full and selective under
 compile) and resumed from its iteration-12 checkpoint: the loss falls, the resumed run repeats the
 uninterrupted one, compile made no graph break, peak memory is reported; reduce-overhead (CUDA graphs) with
-gradient accumulation trains as compile's default mode. Also: one process under torchrun
+gradient accumulation trains as compile's default mode; deterministic=True repeats a compiled bf16 run bit for bit
+(not run on a GPU yet). Also: one process under torchrun
 matches the plain run, 2-process DDP with compile and activation checkpointing stays compiled, sample.py
 samples from an FP8-trained checkpoint; and, not run on a GPU yet: a step waits for the GPU once (CUDA's sync
 debug mode), bench.py's peak memory under CUDA graphs holds the activations and is each rung's own, bench.py's
@@ -58,7 +59,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import model as model_module  # noqa: E402
 import train  # noqa: E402
-from conftest import assert_rmsnorm_rounded_once, read_metrics, rmsnorm_bf16_case, write_dataset  # noqa: E402
+from conftest import (assert_rmsnorm_rounded_once, assert_same, read_metrics, rmsnorm_bf16_case,  # noqa: E402
+                      write_dataset)
 from model import GPT, GPTConfig  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1073,6 +1075,29 @@ def test_cuda_graphs_with_accumulation_train_as_compile_default(tmp_path, gpu_da
                         last=trained[-1], peak='', diff='exact' if diff == 0 else f'{diff:.2e}', seconds=seconds))
     assert trained[-1] < 0.5 * trained[0], trained
     assert diff <= 1e-4, f"reduce-overhead vs default: max relative difference {diff:.3g}\n{got}\n{want}"
+
+
+@gpu
+def test_deterministic_runs_repeat_bit_for_bit_on_the_gpu(tmp_path, gpu_data):
+    # Reference: the first run. With deterministic=True (torch's deterministic algorithms, strict: flash attention's
+    # backward, inductor's scatter of the embedding's gradient and cuBLAS in a fixed order; an op without such a
+    # kernel is an error naming it), a second run of the same compiled bf16 command, dropout on, must end with the
+    # same weights and optimizer state bit for bit, and leave torch's setting as it was.
+    assert not torch.are_deterministic_algorithms_enabled()
+    ckpts, seconds = [], 0.0
+    for run in 'ab':
+        out, breaks, sec = gpu_run(COMMON + SMALL + ['--dtype=bfloat16', '--compile=True', '--deterministic=True',
+                                                     '--dropout=0.1', '--max_iters=8', '--eval_interval=8',
+                                                     f'--data_dir={gpu_data}', f'--out_dir={tmp_path / run}'])
+        assert breaks == {} and not torch.are_deterministic_algorithms_enabled(), breaks
+        ckpts.append(torch.load(tmp_path / run / 'ckpt.pt', weights_only=True))
+        seconds += sec
+    trained = [r['loss'] for r in read_metrics(tmp_path / 'a') if 'loss' in r]
+    assert ckpts[0]['iter_num'] == 8 and trained[-1] < trained[0], trained
+    assert_same(ckpts[1]['model'], ckpts[0]['model'], 'model')
+    assert_same(ckpts[1]['optimizer'], ckpts[0]['optimizer'], 'optimizer')
+    SUMMARY.append(dict(branch='deterministic=True, compiled bf16 (run b vs a)', first=trained[0], last=trained[-1],
+                        peak='', diff='exact', seconds=seconds))
 
 
 @gpu

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import model as model_module
 import train
 from configurator import ConfigError, configure, key_comments
-from conftest import assert_rmsnorm_rounded_once, rmsnorm_bf16_case
+from conftest import assert_rmsnorm_rounded_once, assert_same, rmsnorm_bf16_case, write_dataset
 from model import (GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, rotary_tables,
                    sample_next)
 from prepare_data import prepare
@@ -1266,6 +1266,33 @@ def test_resume_is_bitwise_identical(runs):
     model = GPT(GPTConfig(**ca['model_args']))
     assert not torch.equal(ca['model']['blocks.0.attn.qkv.weight'], model.blocks[0].attn.qkv.weight)
     assert (runs.a / 'best.pt').exists()
+
+
+def test_deterministic_runs_repeat_bit_for_bit_compiled_on_two_threads(tmp_path):
+    # Reference: the first run. Compiled, inductor sums the embedding's gradient over the tokens with atomic adds,
+    # in an order that varies from run to run on more than one thread: without deterministic, runs of this command
+    # differed by about 5e-9 in the weights after 2 steps, each time tried. deterministic=True must make the second
+    # run repeat the first bit for bit (weights and optimizer state), and leave torch's setting as it was.
+    rng = np.random.default_rng(0)  # 8 ids: each embedding row is the sum of hundreds of tokens' gradients
+    data = write_dataset(tmp_path / 'data', rng.integers(0, 8, 20_000), rng.integers(0, 8, 2_000), 8)
+    flags = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=64', '--block_size=64',
+             '--batch_size=32', '--max_iters=2', '--warmup_iters=0', '--lr_decay_iters=2', '--eval_iters=1',
+             '--eval_at_start=False', '--compile=True', '--deterministic=True', f'--data_dir={data}']
+    ckpts = []
+    torch.set_num_threads(2)
+    try:
+        for run in 'ab':
+            torch._dynamo.reset()
+            with redirect_stdout(io.StringIO()):
+                assert train.main(flags + [f'--out_dir={tmp_path / run}']) == 0
+            ckpts.append(torch.load(tmp_path / run / 'ckpt.pt', weights_only=True))
+            assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_num_threads(1)
+    torch.manual_seed(train.DEFAULTS['seed'])  # the weights the runs started from (train.py seeds, then builds)
+    assert not torch.equal(ckpts[0]['model']['wte.weight'], GPT(GPTConfig(**ckpts[0]['model_args'])).wte.weight)
+    assert_same(ckpts[1]['model'], ckpts[0]['model'], 'model')
+    assert_same(ckpts[1]['optimizer'], ckpts[0]['optimizer'], 'optimizer')
 
 
 def test_sample_prints_text_from_the_vocabulary(runs):

@@ -38,12 +38,12 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state (on the CPU bit for bit, eager or
-  compiled on one thread: README), with the changed settings printed (config_diff); refused on data with
-  another vocabulary (vocabulary_mismatch), on another shape (SHAPE_KEYS) or optimizer (OPTIMIZER_KEYS), or on
-  a model setting this model.py lacks; the best val loss starts over when what it depends on changes
-  (EVAL_KEYS, eval_changes); a resume cuts metrics.jsonl back to its checkpoint (truncate_metrics); a scratch
-  run moves an earlier run's files aside instead of overwriting them.
+  loaded with weights_only=True; exact resume including data and RNG state (on the CPU bit for bit, eager, and
+  compiled on one thread or with deterministic=True: deterministic_algorithms, README), with the changed
+  settings printed (config_diff); refused on data with another vocabulary (vocabulary_mismatch), on another
+  shape (SHAPE_KEYS) or optimizer (OPTIMIZER_KEYS), or on a model setting this model.py lacks; the best val loss
+  starts over when what it depends on changes (EVAL_KEYS, eval_changes); a resume cuts metrics.jsonl back to its
+  checkpoint (truncate_metrics); a scratch run moves an earlier run's files aside instead of overwriting them.
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
   every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
@@ -159,6 +159,9 @@ dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16
 compile = False                 # torch.compile the model
 compile_mode = 'default'        # 'default', 'reduce-overhead' (CUDA graphs), 'max-autotune' or
                                 # 'max-autotune-no-cudagraphs' (GEMM and kernel autotuning, minutes of compile)
+deterministic = False           # torch.use_deterministic_algorithms: the same command repeats bit for bit, compiled
+                                # on any number of CPU threads too (the embedding's gradient summed in order, not by
+                                # atomic adds); an op without a deterministic kernel is an error
 activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
 autocast_residual = False       # under bf16/fp16 autocast, the residual stream in that dtype, not float32: fewer
                                 # bytes per step (1.05x at 124M on an H100), each block's update rounded to it
@@ -1198,6 +1201,7 @@ def main(argv):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
+    before = deterministic_algorithms(cfg.deterministic)
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
@@ -1219,6 +1223,7 @@ def main(argv):
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
     finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])  # as it was: tests call main in-process
         if dist.is_initialized():
             # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when
             # main returned, the group's last reference went from C++ with the GIL held, and its gloo threads
@@ -1226,6 +1231,16 @@ def main(argv):
             r = None
             gc.collect()
             dist.destroy_process_group()
+
+
+def deterministic_algorithms(on):
+    """Turn torch's deterministic algorithms on for this run (deterministic=True; before the first cuBLAS call,
+    whose deterministic mode needs CUBLAS_WORKSPACE_CONFIG); returns the setting it replaced, for main to restore."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if on:
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+        torch.use_deterministic_algorithms(True)
+    return before
 
 
 def setup(cfg, argv, device, rank, world):
