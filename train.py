@@ -161,7 +161,8 @@ compile_mode = 'default'        # 'default', 'reduce-overhead' (CUDA graphs), 'm
                                 # 'max-autotune-no-cudagraphs' (GEMM and kernel autotuning, minutes of compile)
 deterministic = False           # torch.use_deterministic_algorithms: the same command repeats bit for bit, compiled
                                 # on any number of CPU threads too (the embedding's gradient summed in order, not by
-                                # atomic adds); an op without a deterministic kernel is an error
+                                # atomic adds; on a GPU no cuDNN attention); an op without a deterministic kernel is
+                                # an error
 activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
 autocast_residual = False       # under bf16/fp16 autocast, the residual stream in that dtype, not float32: fewer
                                 # bytes per step (1.05x at 124M on an H100), each block's update rounded to it
