@@ -961,8 +961,10 @@ def summary(request):
 
 @pytest.fixture
 def deterministic_cuda():
-    """Deterministic kernels while the test runs (flash attention's backward, index_add, ...): a resumed
-    run and the uninterrupted one then compute alike. warn_only: an op without such a kernel warns."""
+    """Deterministic kernels while the test runs (index_add, cuBLAS, ...): a resumed run and the uninterrupted one
+    then compute alike. warn_only: an op without such a kernel warns and runs as it is (cuDNN's attention stays
+    eligible, by torch's sdp_utils; the runs have matched exactly so far). train.py's deterministic=True is strict:
+    test_deterministic_runs_repeat_bit_for_bit_on_the_gpu."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(False)

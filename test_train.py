@@ -1268,11 +1268,17 @@ def test_resume_is_bitwise_identical(runs):
     assert (runs.a / 'best.pt').exists()
 
 
-def test_deterministic_runs_repeat_bit_for_bit_compiled_on_two_threads(tmp_path):
+def test_deterministic_runs_repeat_bit_for_bit_compiled_on_two_threads(tmp_path, monkeypatch):
     # Reference: the first run. Compiled, inductor sums the embedding's gradient over the tokens with atomic adds,
     # in an order that varies from run to run on more than one thread: without deterministic, runs of this command
     # differed by about 5e-9 in the weights after 2 steps, each time tried. deterministic=True must make the second
-    # run repeat the first bit for bit (weights and optimizer state), and leave torch's setting as it was.
+    # run repeat the first bit for bit (weights and optimizer state). Its training loop runs with torch's
+    # deterministic algorithms and inductor's deterministic mode (which torch's switch sets: no kernel chosen by
+    # timing, as a GPU's max-autotune would; nothing to see on the CPU), and both are as they were once main returns.
+    import torch._inductor.config as inductor_config  # what torch.use_deterministic_algorithms sets too
+    seen, loop = [], train.train_loop
+    monkeypatch.setattr(train, 'train_loop', lambda r: seen.append(
+        (torch.are_deterministic_algorithms_enabled(), inductor_config.deterministic)) or loop(r))
     rng = np.random.default_rng(0)  # 8 ids: each embedding row is the sum of hundreds of tokens' gradients
     data = write_dataset(tmp_path / 'data', rng.integers(0, 8, 20_000), rng.integers(0, 8, 2_000), 8)
     flags = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=64', '--block_size=64',
@@ -1286,9 +1292,10 @@ def test_deterministic_runs_repeat_bit_for_bit_compiled_on_two_threads(tmp_path)
             with redirect_stdout(io.StringIO()):
                 assert train.main(flags + [f'--out_dir={tmp_path / run}']) == 0
             ckpts.append(torch.load(tmp_path / run / 'ckpt.pt', weights_only=True))
-            assert not torch.are_deterministic_algorithms_enabled()
+            assert not torch.are_deterministic_algorithms_enabled() and not inductor_config.deterministic
     finally:
         torch.set_num_threads(1)
+    assert seen == [(True, True)] * 2
     torch.manual_seed(train.DEFAULTS['seed'])  # the weights the runs started from (train.py seeds, then builds)
     assert not torch.equal(ckpts[0]['model']['wte.weight'], GPT(GPTConfig(**ckpts[0]['model_args'])).wte.weight)
     assert_same(ckpts[1]['model'], ckpts[0]['model'], 'model')

@@ -1202,7 +1202,7 @@ def main(argv):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group('nccl' if torch.device(device).type == 'cuda' else 'gloo')
-    before = deterministic_algorithms(cfg.deterministic)
+    restore = deterministic_algorithms(cfg.deterministic)
     try:
         r = setup(cfg, argv, device, rank, world)
         report(r)
@@ -1224,7 +1224,7 @@ def main(argv):
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
     finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])  # as it was: tests call main in-process
+        restore()  # as it was: tests call main in-process
         if dist.is_initialized():
             # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when
             # main returned, the group's last reference went from C++ with the GIL held, and its gloo threads
@@ -1235,13 +1235,16 @@ def main(argv):
 
 
 def deterministic_algorithms(on):
-    """Turn torch's deterministic algorithms on for this run (deterministic=True; before the first cuBLAS call,
-    whose deterministic mode needs CUBLAS_WORKSPACE_CONFIG); returns the setting it replaced, for main to restore."""
+    """For this run (deterministic=True): torch's deterministic algorithms, set before the first cuBLAS call, whose
+    deterministic mode needs CUBLAS_WORKSPACE_CONFIG. torch's switch sets inductor's deterministic mode too: no kernel
+    config and no GEMM picked by timing where the choice changes the numerics (a reduction's block sizes,
+    max-autotune's GEMMs). Returns a function that puts the switch back as it was, for main."""
+    if not on:
+        return lambda: None
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    if on:
-        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
-        torch.use_deterministic_algorithms(True)
-    return before
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+    torch.use_deterministic_algorithms(True)
+    return lambda: torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def setup(cfg, argv, device, rank, world):
