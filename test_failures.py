@@ -1871,6 +1871,23 @@ def test_a_short_block_setting_that_cannot_work_as_meant_is_a_warning(data, tmp_
     assert len(warnings) == (1 if want else 0) and all(w.startswith(want) for w in warnings), warnings
 
 
+
+@pytest.mark.parametrize('mode, deterministic, compiled, warned', [
+    ('max-autotune', True, True, True), ('max-autotune-no-cudagraphs', True, True, True),
+    ('default', True, True, False), ('max-autotune', False, True, False), ('reduce-overhead', True, True, False),
+    ('max-autotune', True, False, False),
+])
+def test_max_autotune_under_deterministic_is_a_warning(mode, deterministic, compiled, warned):
+    # Reference: inductor's deterministic mode (set with torch's deterministic algorithms) picks max-autotune's GEMMs
+    # without timing them (select_algorithm: pick_deterministic_choice): a run that asks for both is told it tunes
+    # little, naming the mode; the default mode, CUDA graphs alone, max-autotune without deterministic or without
+    # compile (a warning of its own), nothing.
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'compile': compiled, 'compile_mode': mode,
+                             'deterministic': deterministic, 'max_iters': 10, 'warmup_iters': 2})
+    warnings = [w for w in train.setting_warnings(cfg, 1) if 'deterministic' in w]
+    assert warnings == ([f"compile_mode={mode!r} with deterministic=True tunes little: inductor's deterministic mode "
+                         f"takes the GEMMs and the reductions' block sizes without timing them"] if warned else [])
+
 @pytest.mark.parametrize('flags, want', [
     (['--max_iters=2'], 'warmup_iters=2 is at least max_iters=2: the learning rate only warms up, to 6.67e-03 at '
                         'the last step (learning_rate=1.00e-02), and never decays'),

@@ -159,10 +159,10 @@ dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16' (fp16
 compile = False                 # torch.compile the model
 compile_mode = 'default'        # 'default', 'reduce-overhead' (CUDA graphs), 'max-autotune' or
                                 # 'max-autotune-no-cudagraphs' (GEMM and kernel autotuning, minutes of compile)
-deterministic = False           # torch.use_deterministic_algorithms: the same command repeats bit for bit, compiled
-                                # on any number of CPU threads too (the embedding's gradient summed in order, not by
-                                # atomic adds; on a GPU no cuDNN attention); an op without a deterministic kernel is
-                                # an error
+deterministic = False           # torch.use_deterministic_algorithms (and inductor's deterministic mode): on the CPU
+                                # the same command repeats bit for bit, compiled on any number of threads too (the
+                                # embedding's gradient summed in order, not by atomic adds); on a GPU no cuDNN
+                                # attention, and not verified yet; an op without a deterministic kernel is an error
 activation_checkpointing = 'none'  # 'none', 'full' (recompute each block) or 'selective' (all but matmuls)
 autocast_residual = False       # under bf16/fp16 autocast, the residual stream in that dtype, not float32: fewer
                                 # bytes per step (1.05x at 124M on an H100), each block's update rounded to it
@@ -1133,8 +1133,9 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
 def setting_warnings(cfg, world):
     """Warnings for the APPLIES_ONLY settings that are set but not read in this run (zero_init_proj too, under
     init_from=hf:; parallelism where the run's `world` is one process), for a learning-rate schedule cut short (no
-    decay, or not to its end), for a new run that neither trains nor evaluates, for half of the short-block pair set
-    without the other, and for short blocks that last the whole run."""
+    decay, or not to its end), for a new run that neither trains nor evaluates, for max-autotune under
+    deterministic, for half of the short-block pair set without the other, and for short blocks that last the whole
+    run."""
     warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
@@ -1163,6 +1164,9 @@ def setting_warnings(cfg, world):
                         f"init_from={cfg.init_from}")
     if cfg.max_iters == 0 and not cfg.eval_at_start and cfg.init_from != 'resume':
         warnings.append("max_iters=0 and eval_at_start=False: the run neither trains nor evaluates")
+    if cfg.deterministic and cfg.compile and cfg.compile_mode.startswith('max-autotune'):
+        warnings.append(f"compile_mode={cfg.compile_mode!r} with deterministic=True tunes little: inductor's "
+                        f"deterministic mode takes the GEMMs and the reductions' block sizes without timing them")
     if cfg.short_block_size and cfg.short_block_iters >= cfg.max_iters > 0:
         warnings.append(f"short_block_iters={cfg.short_block_iters} covers all max_iters={cfg.max_iters} "
                         f"iterations: no step trains on whole windows of block_size={cfg.block_size}, which the "
