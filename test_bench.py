@@ -1679,7 +1679,7 @@ def ci_gpu(tmp_path, part, data=True, libraries=True):
     return subprocess.run(['bash', str(script), part], env=env, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize('part', 'abcdefgh')
+@pytest.mark.parametrize('part', 'abcdefghi')
 def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     # Reference: bench.py's and train.py's own checks. .ci/gpu runs only where a GPU is lent, seldom: a flag
     # renamed or mistyped there would cost a step of that time. Its commands are recorded (ci_gpu's stand-ins)
