@@ -1871,7 +1871,6 @@ def test_a_short_block_setting_that_cannot_work_as_meant_is_a_warning(data, tmp_
     assert len(warnings) == (1 if want else 0) and all(w.startswith(want) for w in warnings), warnings
 
 
-
 @pytest.mark.parametrize('mode, deterministic, compiled, warned', [
     ('max-autotune', True, True, True), ('max-autotune-no-cudagraphs', True, True, True),
     ('default', True, True, False), ('max-autotune', False, True, False), ('reduce-overhead', True, True, False),
@@ -1887,6 +1886,7 @@ def test_max_autotune_under_deterministic_is_a_warning(mode, deterministic, comp
     warnings = [w for w in train.setting_warnings(cfg, 1) if 'deterministic' in w]
     assert warnings == ([f"compile_mode={mode!r} with deterministic=True tunes little: inductor's deterministic mode "
                          f"takes the GEMMs and the reductions' block sizes without timing them"] if warned else [])
+
 
 @pytest.mark.parametrize('flags, want', [
     (['--max_iters=2'], 'warmup_iters=2 is at least max_iters=2: the learning rate only warms up, to 6.67e-03 at '

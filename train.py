@@ -35,6 +35,8 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   compiled before training: in_windows, eval_warm_up; loud fallback to eager if it fails, a stop with advice
   if it runs out of memory), periodic eval (also at iteration 0: eval_at_start; eval_iters=0: the whole val
   split, Windows).
+- deterministic=True (deterministic_algorithms): torch's deterministic algorithms, and with them inductor's
+  deterministic mode, for the run: a compiled CPU run repeats bit for bit on any number of threads.
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
