@@ -1,9 +1,9 @@
 """
 Plot training runs from their out_dir/metrics.jsonl: train and val loss against iterations and against
-tokens, the learning rate, and tokens/s. train.py draws out_dir/metrics.png with it at its evaluations; on
-the command line it overlays several runs in one image, to compare settings; --out's extension picks the
-format (png, pdf, svg, ...). A run still training plots too: the last line of its metrics.jsonl, if not yet
-whole, is left out (read_metrics).
+tokens; the gradient norm, the learning rate, tokens/s and peak memory against iterations. train.py draws
+out_dir/metrics.png with it at its evaluations; on the command line it overlays several runs in one image, to
+compare settings (speed against memory, say); --out's extension picks the format (png, pdf, svg, ...). A run
+still training plots too: the last line of its metrics.jsonl, if not yet whole, is left out (read_metrics).
 
     python plot.py out-small                          # -> compare.png
     python plot.py out-a out-b out-c --out=ab.pdf     # one color per run
@@ -20,6 +20,9 @@ import sys
 LOSSES = {'loss': dict(lw=0.8, alpha=0.45),                      # training lines: the step's loss
           'train_loss': dict(ls='--', marker='.', ms=5),         # evaluations
           'val_loss': dict(marker='o', ms=3.5)}
+# the panels after those of the losses, by iteration: the record field, its title
+BY_ITERATION = {'grad_norm': 'gradient norm', 'lr': 'learning rate', 'tokens_per_sec': 'tokens/s',
+                'peak_mem_mb': 'peak memory (MB)'}
 
 
 def read_metrics(out_dir):
@@ -51,12 +54,11 @@ def read_metrics(out_dir):
 
 
 def series(records):
-    """The run's curves: {field: (iterations, tokens, values)} for each field of LOSSES, 'lr' and
-    'tokens_per_sec' that the records hold (tokens None where a record has none). Null values (mfu on a
-    CPU, say) are left out."""
+    """The run's curves: {field: (iterations, tokens, values)} for each field of LOSSES and BY_ITERATION that
+    the records hold (tokens None where a record has none). Null values are left out."""
     curves = {}
     for record in records:
-        for field in (*LOSSES, 'lr', 'tokens_per_sec'):
+        for field in (*LOSSES, *BY_ITERATION):
             if record.get(field) is not None:
                 iters, tokens, values = curves.setdefault(field, ([], [], []))
                 iters.append(record['iter'])
@@ -71,9 +73,10 @@ def draw(runs, path):
     Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # see the module docstring
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(12, 8))
+    fig = Figure(figsize=(15, 8))
     FigureCanvasAgg(fig)  # Agg: renders to a file, no display needed
-    (by_iter, by_tokens), (lr, speed) = axes = fig.subplots(2, 2)
+    axes = fig.subplots(2, 3)
+    by_iter, by_tokens, *others = axes.flat
     for i, (label, records) in enumerate(runs.items()):
         color, curves = f'C{i % 10}', series(records)
         for field, style in LOSSES.items():
@@ -82,14 +85,15 @@ def draw(runs, path):
                 by_iter.plot(iters, values, color=color, label=f'{label}: {field}', **style)
                 known = [(t, v) for t, v in zip(tokens, values) if t is not None]
                 by_tokens.plot([t for t, _ in known], [v for _, v in known], color=color, **style)
-        for ax, field in ((lr, 'lr'), (speed, 'tokens_per_sec')):
+        for ax, field in zip(others, BY_ITERATION):
             if field in curves:
                 ax.plot(curves[field][0], curves[field][2], color=color, label=label, lw=1)
-    titles = [('loss', 'iteration'), ('loss', 'tokens'), ('learning rate', 'iteration'), ('tokens/s', 'iteration')]
+    titles = [('loss', 'iteration'), ('loss', 'tokens'), *((title, 'iteration') for title in BY_ITERATION.values())]
     for ax, (title, x) in zip(axes.flat, titles):
         ax.set_title(f'{title} vs {x}', fontsize=10)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
+    others[0].set_yscale('log')  # the gradient norm: early in a run it can spike to 10x and more of where it settles
     by_iter.legend(fontsize=8, loc='upper right')  # a fixed place: loc='best' searches every point
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
     tmp = f'{path}.tmp'

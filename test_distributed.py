@@ -46,7 +46,7 @@ FLAGS = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch
          '--device=cpu', '--dtype=float32', '--warmup_iters=0', '--learning_rate=1e-2', '--lr_decay_iters=6',
          '--dropout=0']
 RUN_TIMEOUT = 300  # seconds; a run here takes 3-10 s, 50 s on a loaded 2-core machine, more with a cold disk
-LOSS_KEYS = ('loss', 'train_loss', 'val_loss')
+CLOSE_KEYS = ('loss', 'grad_norm', 'train_loss', 'val_loss')  # the whole job's figures, whatever its processes
 # Under torchrun each worker runs train.py (as __main__: AS_SCRIPT, or imported: GRADIENT_SPY) through this script,
 # written next to out_dir. Processes other than 0 first install an audit hook that notes in <out_dir>.writes-<rank>
 # each file they open for writing, make, rename, truncate or remove in out_dir: process 0 alone writes there
@@ -242,12 +242,13 @@ def kind(record):
 
 
 def assert_metrics_close(got, want, rel=1e-5, where=''):
-    """The same lines (iteration and kind) in the same order; losses within rel; lr and tokens equal."""
+    """The same lines (iteration and kind) in the same order; losses and gradient norms within rel; lr and tokens
+    equal."""
     assert [(kind(r), r['iter']) for r in got] == [(kind(r), r['iter']) for r in want], where
     for g, w in zip(got, want):
         # the tokens trained on so far (the plots' x axis): the whole job's, not one process's share
         assert g['tokens'] == w['tokens'], f"{where} iter {w['iter']} tokens: {g['tokens']} vs {w['tokens']}"
-        for key in LOSS_KEYS:
+        for key in CLOSE_KEYS:
             if key in w:
                 assert g[key] == pytest.approx(w[key], rel=rel, abs=0), \
                     f"{where} iter {w['iter']} {key}: {g[key]!r} vs {w[key]!r}"
@@ -486,7 +487,8 @@ def test_throughput_counts_the_tokens_of_all_processes(par6):
     # divides by the processes itself: test_train.py).
     cfg = par6.ckpt()['config']
     step_tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
-    printed = re.findall(r'^iter (\d+): loss [\d.]+, lr \S+, ([\d.]+) ms/iter, ([\d,]+) tok/s', par6.output, re.M)
+    printed = re.findall(r'^iter (\d+): loss [\d.]+, grad norm \S+, lr \S+, ([\d.]+) ms/iter, ([\d,]+) tok/s',
+                         par6.output, re.M)
     logged = {r['iter']: r['tokens_per_sec'] for r in par6.metrics() if kind(r) == 'train'}
     assert [int(i) for i, _, _ in printed] == sorted(logged) == [1, 2, 3, 4, 5, 6], par6.output[-3000:]
     for i, ms, tok_s in printed:

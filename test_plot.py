@@ -30,10 +30,13 @@ PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
 RECORDS = [  # what train.py writes: evaluations and training lines (mfu is null on a CPU)
     {'iter': 0, 'tokens': 0, 'train_loss': 3.7, 'val_loss': 3.71},
-    {'iter': 1, 'tokens': 32, 'loss': 3.69, 'lr': 1e-3, 'tokens_per_sec': 900.0, 'mfu': None, 'peak_mem_mb': 1.0},
-    {'iter': 2, 'tokens': 64, 'loss': 3.5, 'lr': 2e-3, 'tokens_per_sec': 1000.0, 'mfu': None, 'peak_mem_mb': 1.0},
+    {'iter': 1, 'tokens': 32, 'loss': 3.69, 'grad_norm': 2.5, 'lr': 1e-3, 'tokens_per_sec': 900.0, 'mfu': None,
+     'peak_mem_mb': 1.0},
+    {'iter': 2, 'tokens': 64, 'loss': 3.5, 'grad_norm': 1.25, 'lr': 2e-3, 'tokens_per_sec': 1000.0, 'mfu': None,
+     'peak_mem_mb': 1.5},
     {'iter': 2, 'tokens': 64, 'train_loss': 3.4, 'val_loss': 3.45},
-    {'iter': 3, 'loss': 3.3, 'lr': 1.5e-3, 'tokens_per_sec': 1100.0, 'mfu': 0.1},  # no tokens: an older file
+    # an older file: no tokens, no grad_norm
+    {'iter': 3, 'loss': 3.3, 'lr': 1.5e-3, 'tokens_per_sec': 1100.0, 'mfu': 0.1, 'peak_mem_mb': 2.0},
 ]
 
 
@@ -69,12 +72,13 @@ def line_data(ax, label):
 def test_series_are_the_records_fields():
     # reference: each field's records picked out by hand
     curves = plot.series(RECORDS)
-    assert sorted(curves) == ['loss', 'lr', 'tokens_per_sec', 'train_loss', 'val_loss']
+    assert sorted(curves) == ['grad_norm', 'loss', 'lr', 'peak_mem_mb', 'tokens_per_sec', 'train_loss', 'val_loss']
     assert curves['loss'] == ([1, 2, 3], [32, 64, None], [3.69, 3.5, 3.3])
     assert curves['val_loss'] == ([0, 2], [0, 64], [3.71, 3.45])
     assert curves['train_loss'] == ([0, 2], [0, 64], [3.7, 3.4])
     assert curves['lr'] == ([1, 2, 3], [32, 64, None], [1e-3, 2e-3, 1.5e-3])
     assert curves['tokens_per_sec'][2] == [900.0, 1000.0, 1100.0]
+    assert curves['grad_norm'] == ([1, 2], [32, 64], [2.5, 1.25]) and curves['peak_mem_mb'][2] == [1.0, 1.5, 2.0]
     # zeros are values (a schedule that starts or ends at lr 0); only null is left out
     zeros = plot.series([{'iter': 0, 'tokens': 0, 'loss': 0.0, 'lr': 0.0, 'tokens_per_sec': 0.0}])
     assert zeros == {k: ([0], [0], [0.0]) for k in ('loss', 'lr', 'tokens_per_sec')}
@@ -88,9 +92,10 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plot, 'draw', lambda runs, path: figures.append(draw(runs, path)) or figures[-1])
     plot.main([a, b + '/', f'--out={out}'])
     assert f'wrote {out}' in capsys.readouterr().out
-    assert png_size(out) == (960, 640) and sorted(os.listdir(tmp_path)) == ['compare.png', 'run_a', 'run_b']
-    # the figure's curves are the files' records: by iteration (with the run's name), by tokens, lr, tokens/s
-    by_iter, by_tokens, lr, speed = figures[0].axes
+    assert png_size(out) == (1200, 640) and sorted(os.listdir(tmp_path)) == ['compare.png', 'run_a', 'run_b']
+    # the figure's curves are the files' records: the losses by iteration (with the run's name) and by tokens; the
+    # gradient norm, lr, tokens/s and peak memory by iteration
+    by_iter, by_tokens, norm, lr, speed, memory = figures[0].axes
     for run, records in ((a, RECORDS), (b, other)):
         for field in plot.LOSSES:  # each loss curve by iteration, and by tokens (found by its values) in its color
             rows = [r for r in records if field in r]
@@ -99,16 +104,18 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
             known = [r for r in rows if 'tokens' in r]
             [tok] = [ln for ln in by_tokens.lines if list(ln.get_ydata()) == [r[field] for r in known]]
             assert list(tok.get_xdata()) == [r['tokens'] for r in known] and tok.get_color() == it.get_color(), field
-        trains = [r for r in records if 'loss' in r]
-        assert line_data(lr, run) == ([r['iter'] for r in trains], [r['lr'] for r in trains])
-        assert line_data(speed, run) == ([r['iter'] for r in trains], [r['tokens_per_sec'] for r in trains])
+        for ax, field in ((norm, 'grad_norm'), (lr, 'lr'), (speed, 'tokens_per_sec'), (memory, 'peak_mem_mb')):
+            rows = [r for r in records if field in r]
+            assert line_data(ax, run) == ([r['iter'] for r in rows], [r[field] for r in rows]), field
     # each run in one color of its own, in every panel
     colors = {run: {ln.get_color() for ax in figures[0].axes for ln in ax.lines if ln.get_label().startswith(run)}
               for run in (a, b)}
     assert all(len(c) == 1 for c in colors.values()) and colors[a] != colors[b], colors
-    assert [ax.get_xlabel() for ax in figures[0].axes] == ['iteration', 'tokens', 'iteration', 'iteration']
-    assert [ax.get_title() for ax in figures[0].axes] == ['loss vs iteration', 'loss vs tokens',
-                                                          'learning rate vs iteration', 'tokens/s vs iteration']
+    assert [ax.get_xlabel() for ax in figures[0].axes] == ['iteration', 'tokens'] + ['iteration'] * 4
+    assert [ax.get_title() for ax in figures[0].axes] == [
+        'loss vs iteration', 'loss vs tokens', 'gradient norm vs iteration', 'learning rate vs iteration',
+        'tokens/s vs iteration', 'peak memory (MB) vs iteration']
+    assert [ax.get_yscale() for ax in figures[0].axes] == ['linear'] * 2 + ['log'] + ['linear'] * 3
     tokens_lines = {tuple(ln.get_ydata()): list(ln.get_xdata()) for ln in by_tokens.lines}
     assert tokens_lines[(3.71, 3.45)] == [0, 64] and tokens_lines[(3.69, 3.5)] == [32, 64]  # no tokens: left out
     # the legend: each run's loss fields, by the run's normalised name (b was given as b/)

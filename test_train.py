@@ -1228,7 +1228,7 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
-TRAIN_KEYS = {'iter', 'tokens', 'loss', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb', 'time_s'}
+TRAIN_KEYS = {'iter', 'tokens', 'loss', 'grad_norm', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb', 'time_s'}
 EVAL_KEYS = {'iter', 'tokens', 'train_loss', 'val_loss', 'time_s'}
 
 
@@ -1244,6 +1244,39 @@ def test_metrics_have_the_documented_keys(runs):
             assert r['lr'] == get_lr(r['iter'] - 1, opt_cfg(learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
                                                              lr_decay_iters=8, max_iters=8))
             assert math.isfinite(r['loss'])
+
+
+def test_the_logged_gradient_norm_is_its_steps_norm_before_clipping(runs, tmp_path, monkeypatch):
+    # Reference: the square root of the sum of the squared gradients, taken by hand from the gradients the optimizer
+    # is about to apply (a step pre-hook). With grad_clip=0 those are the step's own gradients: each log line (every
+    # 2nd step) must give its own step's norm, not another step's. With a clip far below it, the first step (the
+    # same weights and batch) must log the same norm, while the optimizer gets gradients clipped to the clip.
+    configure = train.configure_optimizer
+
+    def spied(*args, **kwargs):
+        optimizer = configure(*args, **kwargs)
+        hand.append([])
+        optimizer.register_step_pre_hook(lambda opt, a, k: hand[-1].append(math.sqrt(sum(
+            float(p.grad.double().pow(2).sum()) for group in opt.param_groups for p in group['params']
+            if p.grad is not None))))
+        return optimizer
+    hand = []
+    monkeypatch.setattr(train, 'configure_optimizer', spied)
+    flags = TRAIN_FLAGS + [f'--data_dir={runs.a.parent / "data"}', '--eval_at_start=False']
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert train.main(flags + [f'--out_dir={tmp_path / "a"}', '--max_iters=6', '--log_interval=2',
+                                   '--grad_clip=0']) == 0
+        assert train.main(flags + [f'--out_dir={tmp_path / "b"}', '--max_iters=1', '--log_interval=1',
+                                   '--grad_clip=1e-4']) == 0
+    (steps, clipped), records = hand, read_metrics(tmp_path / 'a')
+    logged = {r['iter']: r['grad_norm'] for r in records if 'loss' in r}
+    assert len(steps) == 6 and len(set(steps)) == 6 and min(steps) > 1e-2
+    assert logged == pytest.approx({i: steps[i - 1] for i in (2, 4, 6)}, rel=1e-5)
+    printed_norms = re.findall(r'^iter (\d+): loss [\d.]+, grad norm (\S+), lr', printed.getvalue(), re.M)
+    assert printed_norms[:3] == [(str(i), f"{logged[i]:.4g}") for i in (2, 4, 6)]
+    assert clipped == pytest.approx([1e-4], rel=1e-4)
+    assert read_metrics(tmp_path / 'b')[0]['grad_norm'] == pytest.approx(steps[0], rel=1e-5)
 
 
 def test_resume_is_bitwise_identical(runs):

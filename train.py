@@ -58,11 +58,11 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   warning; gradient_accumulation_steps is the global count;
   every process draws the same windows and takes its share (Batches), so results and checkpoints do not
   depend on the number of processes.
-- logging: loss, lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left: evaluations to come counted);
-  out_dir/metrics.jsonl gets the loss, lr, tokens/s, MFU, peak memory and the eval losses, each line with the
-  tokens so far and time_s (wall seconds since train.py started: START_TIME), drawn into out_dir/metrics.png
-  at the evaluations at least PLOT_EVERY_S apart and at the last (plot_metrics, with plot.py) and, with
-  wandb_log=True, sent to Weights & Biases (start_wandb);
+- logging: loss, gradient norm (before clipping), lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left:
+  evaluations to come counted); out_dir/metrics.jsonl gets the loss, grad_norm, lr, tokens/s, MFU, peak memory
+  and the eval losses, each line with the tokens so far and time_s (wall seconds since train.py started:
+  START_TIME), drawn into out_dir/metrics.png at the evaluations at least PLOT_EVERY_S apart and at the last
+  (plot_metrics, with plot.py) and, with wandb_log=True, sent to Weights & Biases (start_wandb);
   the optimizer state's bytes per parameter and where it lives (state_where: GPU, CPU or paged managed memory).
 """
 import time
@@ -1906,7 +1906,7 @@ def train_loop(r):
                                      f"or gradient; stopping. {last_checkpoint(r)}; lower learning_rate or check "
                                      f"the data")
             elif r.iter_num % cfg.log_interval == 0:
-                loss = loss.item()  # the one sync of a log step
+                loss, norm = torch.stack((loss, norm)).tolist()  # the one sync of a log step
                 n, dt = r.iter_num - t0_iter, time.time() - t0  # n >= 1: t0_iter is set before a step
                 ms_per_iter, tokens_per_sec = 1000 * dt / n, tokens_per_iter(cfg) * n / dt
                 # per GPU, at the mean window of the steps since t0 (FLOPs per token are linear in it)
@@ -1914,12 +1914,12 @@ def train_loop(r):
                 mfu = r.model.estimate_mfu(tokens_per_sec / world, r.device, r.dtype, mean_window)
                 mem = peak_memory_mb(r.device_type)
                 left = (cfg.max_iters - r.iter_num) * ms_per_iter / 1000 + evals_left(r.iter_num, cfg) * eval_s
-                say(f"iter {r.iter_num}: loss {loss:.4f}, lr {lr:.2e}, {ms_per_iter:.1f} ms/iter, "
-                    f"{tokens_per_sec:,.0f} tok/s, "
+                say(f"iter {r.iter_num}: loss {loss:.4f}, grad norm {norm:.4g}, lr {lr:.2e}, "
+                    f"{ms_per_iter:.1f} ms/iter, {tokens_per_sec:,.0f} tok/s, "
                     + (f"mfu {100 * mfu:.1f}% of {PEAK_LABEL[r.dtype]} peak, " if mfu is not None else '')
                     + f"peak mem {mem:,.0f} MB, {int(left // 60)}m{int(left % 60):02d}s left"
                     + (f", {skipped} steps skipped" if skipped else ''))
-                log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, 'loss': loss, 'lr': lr,
+                log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, 'loss': loss, 'grad_norm': norm, 'lr': lr,
                                 'tokens_per_sec': tokens_per_sec, 'mfu': mfu, 'peak_mem_mb': mem})
                 if not state_reported:  # the state exists once a step has run
                     held, state_bytes = local_params(r.model), optimizer_state_bytes(r.optimizer)
