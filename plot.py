@@ -77,6 +77,7 @@ def draw(runs, path):
     FigureCanvasAgg(fig)  # Agg: renders to a file, no display needed
     axes = fig.subplots(2, 3)
     by_iter, by_tokens, *others = axes.flat
+    panels = dict(zip(BY_ITERATION, others))
     for i, (label, records) in enumerate(runs.items()):
         color, curves = f'C{i % 10}', series(records)
         for field, style in LOSSES.items():
@@ -85,7 +86,7 @@ def draw(runs, path):
                 by_iter.plot(iters, values, color=color, label=f'{label}: {field}', **style)
                 known = [(t, v) for t, v in zip(tokens, values) if t is not None]
                 by_tokens.plot([t for t, _ in known], [v for _, v in known], color=color, **style)
-        for ax, field in zip(others, BY_ITERATION):
+        for field, ax in panels.items():
             if field in curves:
                 ax.plot(curves[field][0], curves[field][2], color=color, label=label, lw=1)
     titles = [('loss', 'iteration'), ('loss', 'tokens'), *((title, 'iteration') for title in BY_ITERATION.values())]
@@ -93,7 +94,7 @@ def draw(runs, path):
         ax.set_title(f'{title} vs {x}', fontsize=10)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
-    others[0].set_yscale('log')  # the gradient norm: early in a run it can spike to 10x and more of where it settles
+    panels['grad_norm'].set_yscale('log')  # early in a run it can spike to 10x and more of where it settles
     by_iter.legend(fontsize=8, loc='upper right')  # a fixed place: loc='best' searches every point
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
     tmp = f'{path}.tmp'

@@ -1250,7 +1250,8 @@ def test_the_logged_gradient_norm_is_its_steps_norm_before_clipping(runs, tmp_pa
     # Reference: the square root of the sum of the squared gradients, taken by hand from the gradients the optimizer
     # is about to apply (a step pre-hook). With grad_clip=0 those are the step's own gradients: each log line (every
     # 2nd step) must give its own step's norm, not another step's. With a clip far below it, the first step (the
-    # same weights and batch) must log the same norm, while the optimizer gets gradients clipped to the clip.
+    # same weights and batch) must log the same norm, while the optimizer gets gradients clipped to the clip. Under
+    # fp16 the GradScaler's scale (65536 at first) must be out of the norm: the optimizer gets unscaled gradients.
     configure = train.configure_optimizer
 
     def spied(*args, **kwargs):
@@ -1269,7 +1270,9 @@ def test_the_logged_gradient_norm_is_its_steps_norm_before_clipping(runs, tmp_pa
                                    '--grad_clip=0']) == 0
         assert train.main(flags + [f'--out_dir={tmp_path / "b"}', '--max_iters=1', '--log_interval=1',
                                    '--grad_clip=1e-4']) == 0
-    (steps, clipped), records = hand, read_metrics(tmp_path / 'a')
+        assert train.main(flags + [f'--out_dir={tmp_path / "fp16"}', '--max_iters=1', '--log_interval=1',
+                                   '--grad_clip=0', '--dtype=float16']) == 0
+    (steps, clipped, fp16), records = hand, read_metrics(tmp_path / 'a')
     logged = {r['iter']: r['grad_norm'] for r in records if 'loss' in r}
     assert len(steps) == 6 and len(set(steps)) == 6 and min(steps) > 1e-2
     assert logged == pytest.approx({i: steps[i - 1] for i in (2, 4, 6)}, rel=1e-5)
@@ -1277,6 +1280,8 @@ def test_the_logged_gradient_norm_is_its_steps_norm_before_clipping(runs, tmp_pa
     assert printed_norms[:3] == [(str(i), f"{logged[i]:.4g}") for i in (2, 4, 6)]
     assert clipped == pytest.approx([1e-4], rel=1e-4)
     assert read_metrics(tmp_path / 'b')[0]['grad_norm'] == pytest.approx(steps[0], rel=1e-5)
+    assert read_metrics(tmp_path / 'fp16')[0]['grad_norm'] == pytest.approx(fp16[0], rel=1e-5)
+    assert fp16[0] == pytest.approx(steps[0], rel=1e-2)  # fp16's rounding only
 
 
 def test_resume_is_bitwise_identical(runs):
