@@ -9,7 +9,6 @@ parameter counts from the config, and a straight training run for resume.
 """
 import copy
 import io
-import json
 import math
 import os
 import random
@@ -31,7 +30,8 @@ import torch.nn.functional as F
 import model as model_module
 import train
 from configurator import ConfigError, configure, key_comments
-from conftest import assert_rmsnorm_rounded_once, assert_same, rmsnorm_bf16_case, write_dataset
+from conftest import (assert_rmsnorm_rounded_once, assert_same, deterministic, read_metrics, rmsnorm_bf16_case,
+                      write_dataset)
 from model import (GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, rotary_tables,
                    sample_next)
 from prepare_data import prepare
@@ -1223,11 +1223,6 @@ def runs(tmp_path_factory):
     return SimpleNamespace(a=a, b=b, meta=meta, resumed_stdout=resumed.stdout)
 
 
-def read_metrics(out_dir):
-    with open(out_dir / 'metrics.jsonl') as f:
-        return [json.loads(line) for line in f]
-
-
 TRAIN_KEYS = {'iter', 'tokens', 'loss', 'grad_norm', 'lr', 'tokens_per_sec', 'mfu', 'peak_mem_mb', 'time_s'}
 EVAL_KEYS = {'iter', 'tokens', 'train_loss', 'val_loss', 'time_s'}
 
@@ -1288,9 +1283,7 @@ def test_resume_is_bitwise_identical(runs):
     # Reference: run A, trained straight through; run B stopped at 4 and resumed must log the same losses
     # and end with bitwise-equal weights and optimizer state (dropout 0.1 makes the RNG state matter).
     assert 'resuming from' in runs.resumed_stdout
-    deterministic = ('iter', 'loss', 'lr', 'train_loss', 'val_loss')
-    strip = lambda lines: [{k: r[k] for k in deterministic if k in r} for r in lines]  # noqa: E731
-    assert strip(read_metrics(runs.b)) == strip(read_metrics(runs.a))
+    assert deterministic(read_metrics(runs.b)) == deterministic(read_metrics(runs.a))
     ca, cb = (torch.load(d / 'ckpt.pt', weights_only=True) for d in (runs.a, runs.b))
     assert ca['iter_num'] == cb['iter_num'] == 8
     assert ca['model'].keys() == cb['model'].keys()
