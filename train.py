@@ -60,9 +60,10 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
   depend on the number of processes.
 - logging: loss, gradient norm (before clipping), lr, ms/iter, tokens/s, MFU, peak memory, time left (evals_left:
   evaluations to come counted); out_dir/metrics.jsonl gets the loss, grad_norm, lr, tokens/s, MFU, peak memory
-  and the eval losses, each line with the tokens so far and time_s (wall seconds since train.py started:
-  START_TIME), drawn into out_dir/metrics.png at the evaluations at least PLOT_EVERY_S apart and at the last
-  (plot_metrics, with plot.py) and, with wandb_log=True, sent to Weights & Biases (start_wandb);
+  and the eval losses and bits per byte (tokens_per_byte), each line with the tokens so far and time_s (wall
+  seconds since train.py started: START_TIME), drawn into out_dir/metrics.png at the evaluations at least
+  PLOT_EVERY_S apart and at the last (plot_metrics, with plot.py) and, with wandb_log=True, sent to Weights &
+  Biases (start_wandb);
   the optimizer state's bytes per parameter and where it lives (state_where: GPU, CPU or paged managed memory).
 """
 import time
@@ -178,7 +179,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 
 from configurator import configure, ConfigError, read_config_file  # noqa: E402
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
-from prepare_data import os_reason, probe_dir, vocabulary  # noqa: E402
+from prepare_data import os_reason, probe_dir, token_bytes, vocabulary  # noqa: E402
 
 MODEL_KEYS = list(GPTConfig().to_dict())
 # what a resumed run must not change (dropout may; zero_init_proj only chose the initial weights)
@@ -881,6 +882,31 @@ def estimate_loss(model, splits, autocast):
     return out
 
 
+def tokens_per_byte(meta, splits, device):
+    """({split: its evaluation's target tokens / their bytes of text}, a line for the report). An evaluation's
+    mean loss, in nats per token, times this, over ln 2, is its bits per byte: a figure that compares across
+    tokenizers, as the loss does not. The bytes are prepare_data.token_bytes'; counted once, over the batches of
+    every process, since each evaluation draws the same ones. Without the bytes: {} and the line says why."""
+    try:
+        table = torch.from_numpy(token_bytes(meta)).to(device)
+    except ValueError as e:
+        return {}, f"not reported: {e}"
+    out = {}
+    for name, batches in splits.items():
+        counts = torch.zeros(2, dtype=torch.int64, device=device)  # tokens, bytes
+        for _, y, weight in batches.eval_batches():
+            if weight:
+                counts[0] += y.numel()
+                counts[1] += table[y].sum()
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        tokens, nbytes = counts.tolist()
+        if nbytes:
+            out[name] = tokens / nbytes
+    note = ', '.join(f"{name} {1 / ratio:.3f} bytes per token" for name, ratio in out.items())
+    return out, note or 'not reported: the evaluated targets stand for no bytes of text'
+
+
 # ----------------------------------------------------------------------------------------------------
 # checkpoints
 
@@ -1286,6 +1312,7 @@ def setup(cfg, argv, device, rank, world):
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                         cfg.gradient_accumulation_steps, rank, world)
     r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
+    r.tokens_per_byte, r.bpb_note = tokens_per_byte(meta, r.eval_splits, device)
     on_master(r, lambda: probe_out_dir(cfg.out_dir))  # now, not at the first checkpoint, after training
 
     # ---- model
@@ -1727,6 +1754,7 @@ def report(r):
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
         f"token, vocab {r.vocab} ({r.meta['tokenizer']}, {r.meta['vocab_size']} used), "
         f"{tokens_per_iter(cfg):,} tokens per iteration")
+    say(f"bits per byte: {r.bpb_note}")
     cuda = r.device_type == 'cuda'
     say("optimizations:")
     say(f"  device            {r.device}")
@@ -1860,8 +1888,11 @@ def evaluate(r):
     """Evaluate, log, draw, checkpoint (best.pt too when the val loss improved); returns the seconds it all took."""
     start = time.time()
     losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
-    r.say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items()))
-    log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, **{f'{k}_loss': loss for k, loss in losses.items()}})
+    bpb = {k: loss * r.tokens_per_byte[k] / math.log(2) for k, loss in losses.items() if k in r.tokens_per_byte}
+    r.say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items())
+          + (f", val bpb {bpb['val']:.4f}" if 'val' in bpb else ''))
+    log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, **{f'{k}_loss': loss for k, loss in losses.items()},
+                    **{f'{k}_bpb': v for k, v in bpb.items()}})
     plot_metrics(r, final=r.iter_num >= r.cfg.max_iters)  # the last one is drawn whatever the time
     r.last_eval = r.iter_num
     improved = losses['val'] < r.best_val_loss
