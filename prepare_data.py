@@ -505,13 +505,15 @@ def get_tokenizer(meta):
 
 
 def token_bytes(meta):
-    """The bytes of input text that each token id of a dataset stands for: an int64 array of meta's vocab_size,
-    what train.py's bits per byte divides by. The UTF-8 bytes of the text as the tokenizer read it: char level,
-    each character's (U+FFFD, which stands for an invalid input byte, 3); tiktoken, each token's bytes; a
-    Hugging Face tokenizer with a byte-level decoder (GPT-2, Llama 3, SmolLM2, Qwen), each token's bytes, and an
-    added token's text's (such tokens are read from the text). The separator that prepare_data.py puts after each
-    document (eot_token) stands for no text: 0, as ids with no token. A ValueError says why the bytes are not known
-    (an hf tokenizer with another decoder, a tiktoken encoding that cannot be loaded)."""
+    """The bytes of text that each token id of a dataset stands for: an int64 array of meta's vocab_size, what
+    train.py's bits per byte divides by. The UTF-8 bytes of the text as the tokenizer read it (decoded, and for
+    hf: normalized): char level, each character's (U+FFFD, which stands for an invalid input byte, 3); tiktoken,
+    each token's bytes; a Hugging Face tokenizer with a byte-level decoder (GPT-2, Llama 3, SmolLM2, Qwen), each
+    token's bytes, and an added token's text's (such tokens are read from the text). The separator that
+    prepare_data.py puts after each document (eot_token) stands for no text: 0, as do ids with no token, and the
+    same token read from the text (an hf eos written in it, e.g. chat data's <|im_end|>). A ValueError says why
+    the bytes are not known (an hf tokenizer with another decoder; load_bpe's, offline); loading the tokenizer
+    may raise others (a tokenizer.json newer than this `tokenizers`)."""
     out, name = np.zeros(meta['vocab_size'], np.int64), meta['tokenizer']
     if name == 'char':
         out[:] = [len(c.encode()) for c in meta['chars']]
@@ -520,10 +522,9 @@ def token_bytes(meta):
         if 'ByteLevel' not in [d.get('type') for d in [decoder, *decoder.get('decoders', [])]]:
             raise ValueError(f"tokenizer {name} has no byte-level decoder ({decoder.get('type')}), so the bytes of its "
                              f"tokens are not known")
-        from tokenizers import pre_tokenizers
-        tokenizer, alphabet = HFTokenizer(meta['tokenizer_json']).tokenizer, set(pre_tokenizers.ByteLevel.alphabet())
-        for token, i in tokenizer.get_vocab(with_added_tokens=False).items():  # one character per byte
-            out[i] = sum(1 if c in alphabet else len(c.encode()) for c in token)
+        tokenizer = HFTokenizer(meta['tokenizer_json']).tokenizer
+        for token, i in tokenizer.get_vocab(with_added_tokens=False).items():  # one character of its alphabet per byte
+            out[i] = len(token)
         for i, token in tokenizer.get_added_tokens_decoder().items():
             out[i] = len(token.content.encode())
     else:

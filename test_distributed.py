@@ -116,6 +116,14 @@ with open(f'{out_dir}.grads-{rank}', 'w') as f:
     json.dump(seen, f)
 sys.exit(code)
 '''
+# An entry in which process 1 alone cannot count the bytes of the tokens (its tokenizer would not load there)
+ONE_WITHOUT_BYTES = '''import train
+if rank == 1:
+    def token_bytes(meta):
+        raise ValueError("tokenizer 'gpt2' could not be loaded (ConnectionError)")
+    train.token_bytes = token_bytes
+sys.exit(train.main(sys.argv[1:]))
+'''
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -408,6 +416,17 @@ def test_two_processes_end_with_the_single_process_weights(par6, single6, accum4
                          f'{p} accum={accum} best.pt model')
     if accum == 4:
         assert_metrics_close(par.metrics(), single.metrics(), where=f'{p} accum=4')
+
+
+def test_bits_per_byte_left_out_by_every_process_when_one_cannot_count_them(root, data, single3):
+    # Reference: the single-process run's losses. Counting the bytes takes a collective per split: were process 1
+    # alone to skip it (its tokenizer would not load), process 0 would wait for it, and the run hang. Every process
+    # leaves bits per byte out instead, process 0 says why in its report, and training goes on as it would.
+    r = run(2, root / 'one_without_bytes', data, '--max_iters=3', entry=ONE_WITHOUT_BYTES, timeout=150).check()
+    assert '\nbits per byte: not reported: another process could not count them\n' in r.output, r.describe()
+    got, want = r.metrics(), single3.metrics()
+    assert not [g for g in got if 'val_bpb' in g] and [w for w in want if 'val_bpb' in w]
+    assert_metrics_close(got, [{k: v for k, v in w.items() if not k.endswith('_bpb')} for w in want])
 
 
 @pytest.mark.parametrize('case', ['ddp', 'ddp_compiled', 'ddp_resumed', 'fsdp'])

@@ -589,8 +589,9 @@ def test_hf_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tok_dir, tmp_path
     # Reference: the UTF-8 bytes of the input's text, cut where the spec puts the split: the tokens of train.bin
     # and val.bin, looked up in token_bytes, add up to each part's. The byte-level tokenizer of tok_dir with two
     # added tokens written in the text, one special and one not: each stands for its own text's bytes, while the
-    # eos token that prepare_data.py appends to each document stands for none. A tokenizer.json whose decoder is
-    # not byte-level has no known bytes per token: a ValueError that names it.
+    # eos token that prepare_data.py appends to each document stands for none. The same with the byte-level decoder
+    # in a sequence of decoders; one whose decoder is not byte-level has no known bytes per token: a ValueError
+    # that names it.
     tok = Tokenizer.from_file(os.path.join(tok_dir, 'tokenizer.json'))
     tok.add_special_tokens(['<|im_start|>'])
     tok.add_tokens(['żółw'])
@@ -610,6 +611,8 @@ def test_hf_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tok_dir, tmp_path
     assert (table[train_ids].sum(), table[val_ids].sum()) == (cut, len(data) - cut)
     assert table[meta['eot_token']] == 0 and table[tok.token_to_id('<|im_start|>')] == 12
     spec = json.loads(meta['tokenizer_json'])
+    spec['decoder'] = {'type': 'Sequence', 'decoders': [spec['decoder']]}  # byte-level within a sequence
+    assert (prepare_data.token_bytes({**meta, 'tokenizer_json': json.dumps(spec)}) == table).all()
     spec['decoder'] = {'type': 'Metaspace', 'replacement': '▁', 'prepend_scheme': 'always', 'split': True}
     with pytest.raises(ValueError, match=f"tokenizer hf:{tmp_path / 'tok'} has no byte-level decoder \\(Metaspace\\)"):
         prepare_data.token_bytes({**meta, 'tokenizer_json': json.dumps(spec)})

@@ -886,11 +886,15 @@ def tokens_per_byte(meta, splits, device):
     """({split: its evaluation's target tokens / their bytes of text}, a line for the report). An evaluation's
     mean loss, in nats per token, times this, over ln 2, is its bits per byte: a figure that compares across
     tokenizers, as the loss does not. The bytes are prepare_data.token_bytes'; counted once, over the batches of
-    every process, since each evaluation draws the same ones. Without the bytes: {} and the line says why."""
+    every process, since each evaluation draws the same ones. Without the bytes (a tokenizer that does not say
+    them, or cannot be loaded here: any error, which never ends the run) in any process: {} and the line says why."""
+    table = why = None
     try:
         table = torch.from_numpy(token_bytes(meta)).to(device)
-    except ValueError as e:
-        return {}, f"not reported: {e}"
+    except Exception as e:
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    if not agree(table is not None, device):  # all processes count, or none: a count is a collective
+        return {}, f"not reported: {why or 'another process could not count them'}"
     out = {}
     for name, batches in splits.items():
         counts = torch.zeros(2, dtype=torch.int64, device=device)  # tokens, bytes
