@@ -1,12 +1,14 @@
 """
-Plot training runs from their out_dir/metrics.jsonl: train and val loss against iterations and against
-tokens; the gradient norm, the learning rate, tokens/s and peak memory against iterations. train.py draws
-out_dir/metrics.png with it at its evaluations; on the command line it overlays several runs in one image, to
-compare settings (speed against memory, say); --out's extension picks the format (png, pdf, svg, ...). A run
-still training plots too: the last line of its metrics.jsonl, if not yet whole, is left out (read_metrics).
+Plot training runs from their out_dir/metrics.jsonl: train and val loss (with --bpb: the evaluations' bits per
+byte, which compare runs with different tokenizers) against iterations and against tokens; the gradient norm, the
+learning rate, tokens/s and peak memory against iterations. train.py draws out_dir/metrics.png with it at its
+evaluations; on the command line it overlays several runs in one image, to compare settings (speed against memory,
+say); --out's extension picks the format (png, pdf, svg, ...). A run still training plots too: the last line of its
+metrics.jsonl, if not yet whole, is left out (read_metrics).
 
     python plot.py out-small                          # -> compare.png
     python plot.py out-a out-b out-c --out=ab.pdf     # one color per run
+    python plot.py out-char out-gpt2 --bpb            # runs on one text with different tokenizers
 
 matplotlib (Agg backend, no display needed) is imported when drawing only (draw(), and main() for the formats
 it writes): train.py pays for matplotlib at its first evaluation, not at start-up.
@@ -20,6 +22,7 @@ import sys
 LOSSES = {'loss': dict(lw=0.8, alpha=0.45),                      # training lines: the step's loss
           'train_loss': dict(ls='--', marker='.', ms=5),         # evaluations
           'val_loss': dict(marker='o', ms=3.5)}
+BPB = {'train_bpb': LOSSES['train_loss'], 'val_bpb': LOSSES['val_loss']}  # in their place, with --bpb
 # the panels after those of the losses, by iteration: the record field, its title
 BY_ITERATION = {'grad_norm': 'gradient norm', 'lr': 'learning rate', 'tokens_per_sec': 'tokens/s',
                 'peak_mem_mb': 'peak memory (MB)'}
@@ -54,11 +57,11 @@ def read_metrics(out_dir):
 
 
 def series(records):
-    """The run's curves: {field: (iterations, tokens, values)} for each field of LOSSES and BY_ITERATION that
+    """The run's curves: {field: (iterations, tokens, values)} for each field of LOSSES, BPB and BY_ITERATION that
     the records hold (tokens None where a record has none). Null values are left out."""
     curves = {}
     for record in records:
-        for field in (*LOSSES, *BY_ITERATION):
+        for field in (*LOSSES, *BPB, *BY_ITERATION):
             if record.get(field) is not None:
                 iters, tokens, values = curves.setdefault(field, ([], [], []))
                 iters.append(record['iter'])
@@ -67,10 +70,10 @@ def series(records):
     return curves
 
 
-def draw(runs, path):
+def draw(runs, path, bpb=False):
     """Draw runs ({label: records}) into an image at path, in the format of its extension (PNG without one):
-    written to path.tmp, then renamed over path, so a reader never sees half a file. Returns the matplotlib
-    Figure."""
+    written to path.tmp, then renamed over path, so a reader never sees half a file. bpb: bits per byte in the
+    first two panels, in place of the losses. Returns the matplotlib Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # see the module docstring
     from matplotlib.figure import Figure
     fig = Figure(figsize=(15, 8))
@@ -78,9 +81,10 @@ def draw(runs, path):
     axes = fig.subplots(2, 3)
     by_iter, by_tokens, *others = axes.flat
     panels = dict(zip(BY_ITERATION, others))
+    shown, measure = (BPB, 'bits per byte') if bpb else (LOSSES, 'loss')
     for i, (label, records) in enumerate(runs.items()):
         color, curves = f'C{i % 10}', series(records)
-        for field, style in LOSSES.items():
+        for field, style in shown.items():
             if field in curves:
                 iters, tokens, values = curves[field]
                 by_iter.plot(iters, values, color=color, label=f'{label}: {field}', **style)
@@ -89,7 +93,7 @@ def draw(runs, path):
         for field, ax in panels.items():
             if field in curves:
                 ax.plot(curves[field][0], curves[field][2], color=color, label=label, lw=1)
-    titles = [('loss', 'iteration'), ('loss', 'tokens'), *((title, 'iteration') for title in BY_ITERATION.values())]
+    titles = [(measure, 'iteration'), (measure, 'tokens'), *((title, 'iteration') for title in BY_ITERATION.values())]
     for ax, (title, x) in zip(axes.flat, titles):
         ax.set_title(f'{title} vs {x}', fontsize=10)
         ax.set_xlabel(x)
@@ -116,6 +120,9 @@ def main(argv=None):
     parser.add_argument('out_dirs', nargs='+', help="runs' out_dir folders (each holds metrics.jsonl)")
     parser.add_argument('--out', default='compare.png',
                         help='the image to write, in the format of its extension (default: compare.png)')
+    parser.add_argument('--bpb', action='store_true',
+                        help="the evaluations' bits per byte in place of the losses: they compare runs whose "
+                             "tokenizers differ")
     args = parser.parse_args(argv)
     from matplotlib.backend_bases import FigureCanvasBase
     formats = {f for f in FigureCanvasBase.get_supported_filetypes() if f != 'pgf'}  # pgf needs LaTeX installed
@@ -129,10 +136,13 @@ def main(argv=None):
             if label in runs:
                 raise ValueError(f"{out_dir} is given twice")
             runs[label] = read_metrics(out_dir)
+            if args.bpb and not any('val_bpb' in r for r in runs[label]):
+                raise ValueError(f"--bpb: {os.path.join(out_dir, 'metrics.jsonl')} holds no bits per byte: the run's "
+                                 f"report says why ('bits per byte: not reported'), or it predates them")
     except ValueError as e:
         parser.exit(1, f"plot.py: error: {e}\n")
     try:
-        draw(runs, args.out)
+        draw(runs, args.out, bpb=args.bpb)
     except OSError as e:
         parser.exit(1, f"plot.py: error: cannot write {args.out}: {e.strerror or e}\n")
     print(f"wrote {args.out}: {', '.join(runs)}")

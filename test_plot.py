@@ -89,7 +89,7 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
     a, b = write_metrics(tmp_path / 'run_a', RECORDS), write_metrics(tmp_path / 'run_b', other)
     out = tmp_path / 'compare.png'
     figures, draw = [], plot.draw
-    monkeypatch.setattr(plot, 'draw', lambda runs, path: figures.append(draw(runs, path)) or figures[-1])
+    monkeypatch.setattr(plot, 'draw', lambda runs, path, **k: figures.append(draw(runs, path, **k)) or figures[-1])
     plot.main([a, b + '/', f'--out={out}'])
     assert f'wrote {out}' in capsys.readouterr().out
     assert png_size(out) == (1200, 640) and sorted(os.listdir(tmp_path)) == ['compare.png', 'run_a', 'run_b']
@@ -121,6 +121,34 @@ def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):
     # the legend: each run's loss fields, by the run's normalised name (b was given as b/)
     assert [t.get_text() for t in by_iter.get_legend().get_texts()] == \
         [f'{os.path.normpath(run)}: {field}' for run in (a, b) for field in ('loss', 'train_loss', 'val_loss')]
+
+
+def test_bpb_draws_the_bits_per_byte_in_place_of_the_losses(tmp_path, monkeypatch, capsys):
+    # Reference: the records' train_bpb and val_bpb, picked out by hand: with --bpb the first two panels hold them
+    # (by iteration, with the run's name, and by tokens), titled so, and no loss; the other panels are unchanged.
+    # A run whose metrics.jsonl holds no bits per byte (an older run) is an error naming the file, before drawing.
+    records = [dict(r, train_bpb=r['train_loss'] * 1.4, val_bpb=r['val_loss'] * 1.5) if 'val_loss' in r else r
+               for r in RECORDS]
+    a, out = write_metrics(tmp_path / 'a', records), tmp_path / 'bpb.png'
+    figures, draw = [], plot.draw
+    monkeypatch.setattr(plot, 'draw', lambda runs, path, **k: figures.append(draw(runs, path, **k)) or figures[-1])
+    plot.main([a, '--bpb', f'--out={out}'])
+    by_iter, by_tokens, norm, *_ = figures[0].axes
+    for field in ('train_bpb', 'val_bpb'):
+        rows = [r for r in records if field in r]
+        assert line_data(by_iter, f'{a}: {field}') == ([r['iter'] for r in rows], [r[field] for r in rows])
+        [tok] = [ln for ln in by_tokens.lines if list(ln.get_ydata()) == [r[field] for r in rows]]
+        assert list(tok.get_xdata()) == [r['tokens'] for r in rows]
+    assert len(by_iter.lines) == len(by_tokens.lines) == 2 and png_size(out) == (1200, 640)
+    assert [ax.get_title() for ax in figures[0].axes[:3]] == [
+        'bits per byte vs iteration', 'bits per byte vs tokens', 'gradient norm vs iteration']
+    assert line_data(norm, a) == ([1, 2], [2.5, 1.25])
+    old, out = write_metrics(tmp_path / 'old', RECORDS), tmp_path / 'old.png'
+    with pytest.raises(SystemExit) as e:
+        plot.main([a, old, '--bpb', f'--out={out}'])
+    assert e.value.code == 1 and not out.exists() and len(figures) == 1
+    assert (f"plot.py: error: --bpb: {os.path.join(old, 'metrics.jsonl')} holds no bits per byte: the run's report "
+            f"says why ('bits per byte: not reported'), or it predates them") in capsys.readouterr().err
 
 
 def test_a_single_evaluation_is_drawn_as_visible_points(tmp_path):
