@@ -47,7 +47,7 @@ def read_metrics(out_dir):
 
 def deterministic(lines):
     """The fields of metrics.jsonl that an exact resume must repeat (not the timings)."""
-    keys = ('iter', 'loss', 'grad_norm', 'lr', 'train_loss', 'val_loss')
+    keys = ('iter', 'loss', 'grad_norm', 'lr', 'train_loss', 'val_loss', 'train_bpb', 'val_bpb')
     return [{k: r[k] for k in keys if k in r} for r in lines]
 
 
