@@ -137,8 +137,10 @@ def main(argv=None):
                 raise ValueError(f"{out_dir} is given twice")
             runs[label] = read_metrics(out_dir)
             if args.bpb and not any('val_bpb' in r for r in runs[label]):
-                raise ValueError(f"--bpb: {os.path.join(out_dir, 'metrics.jsonl')} holds no bits per byte: the run's "
-                                 f"report says why ('bits per byte: not reported'), or it predates them")
+                path = os.path.join(out_dir, 'metrics.jsonl')
+                raise ValueError(f"--bpb: {path} holds no bits per byte: " + (
+                    "the run has not evaluated yet" if not any('val_loss' in r for r in runs[label]) else
+                    "the run's report says why ('bits per byte: not reported'), or it predates them"))
     except ValueError as e:
         parser.exit(1, f"plot.py: error: {e}\n")
     try:

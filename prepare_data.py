@@ -506,14 +506,15 @@ def get_tokenizer(meta):
 
 def token_bytes(meta):
     """The bytes of text that each token id of a dataset stands for: an int64 array of meta's vocab_size, what
-    train.py's bits per byte divides by. The UTF-8 bytes of the text as the tokenizer read it (decoded, and for
-    hf: normalized): char level, each character's (U+FFFD, which stands for an invalid input byte, 3); tiktoken,
-    each token's bytes; a Hugging Face tokenizer with a byte-level decoder (GPT-2, Llama 3, SmolLM2, Qwen), each
-    token's bytes, and an added token's text's (such tokens are read from the text). The separator that
-    prepare_data.py puts after each document (eot_token) stands for no text: 0, as do ids with no token, and the
-    same token read from the text (an hf eos written in it, e.g. chat data's <|im_end|>). A ValueError says why
-    the bytes are not known (an hf tokenizer with another decoder; load_bpe's, offline); loading the tokenizer
-    may raise others (a tokenizer.json newer than this `tokenizers`)."""
+    train.py's bits per byte divide by. The UTF-8 bytes of the text as the tokenizer read it:
+    - char level: each character's (3 for U+FFFD, which replaced an invalid byte of the input);
+    - tiktoken: each token's bytes; special tokens 0 (encode_ordinary never reads them from the text);
+    - hf: with a byte-level decoder (GPT-2, Llama 3, SmolLM2, Qwen) each token's bytes, after the normalizer;
+      an added token, special or not, the bytes of its text, since prepare_data.py reads it from the text.
+    The separator after each document (eot_token) stands for no text: 0, also where the text holds its token
+    (an hf eos written in it, e.g. chat data's <|im_end|>); ids with no token: 0. A ValueError says why the
+    bytes are not known (an hf tokenizer with another decoder, a tiktoken file that cannot be loaded); loading
+    an hf tokenizer may raise others (a tokenizer.json newer than this `tokenizers`)."""
     out, name = np.zeros(meta['vocab_size'], np.int64), meta['tokenizer']
     if name == 'char':
         out[:] = [len(c.encode()) for c in meta['chars']]
@@ -528,7 +529,11 @@ def token_bytes(meta):
         for i, token in tokenizer.get_added_tokens_decoder().items():
             out[i] = len(token.content.encode())
     else:
-        enc = load_bpe(name)
+        try:
+            enc = load_bpe(name)
+        except ValueError as e:  # without load_bpe's advice on what to prepare offline
+            raise ValueError(f"tokenizer '{name}' could not be loaded ({type(e.__cause__).__name__}: "
+                             f"{e.__cause__})") from None
         for i in range(min(enc.n_vocab, len(out))):
             with suppress(KeyError):  # an id with no token
                 out[i] = len(enc.decode_single_token_bytes(i))

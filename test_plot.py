@@ -143,12 +143,15 @@ def test_bpb_draws_the_bits_per_byte_in_place_of_the_losses(tmp_path, monkeypatc
     assert [ax.get_title() for ax in figures[0].axes[:3]] == [
         'bits per byte vs iteration', 'bits per byte vs tokens', 'gradient norm vs iteration']
     assert line_data(norm, a) == ([1, 2], [2.5, 1.25])
-    old, out = write_metrics(tmp_path / 'old', RECORDS), tmp_path / 'old.png'
-    with pytest.raises(SystemExit) as e:
-        plot.main([a, old, '--bpb', f'--out={out}'])
-    assert e.value.code == 1 and not out.exists() and len(figures) == 1
-    assert (f"plot.py: error: --bpb: {os.path.join(old, 'metrics.jsonl')} holds no bits per byte: the run's report "
-            f"says why ('bits per byte: not reported'), or it predates them") in capsys.readouterr().err
+    old, young, out = (write_metrics(tmp_path / 'old', RECORDS), write_metrics(tmp_path / 'young', RECORDS[1:3]),
+                       tmp_path / 'none.png')
+    for run, why in ((old, "the run's report says why ('bits per byte: not reported'), or it predates them"),
+                     (young, "the run has not evaluated yet")):  # training lines only, so far
+        with pytest.raises(SystemExit) as e:
+            plot.main([a, run, '--bpb', f'--out={out}'])
+        assert e.value.code == 1 and not out.exists() and len(figures) == 1
+        assert (f"plot.py: error: --bpb: {os.path.join(run, 'metrics.jsonl')} holds no bits per byte: {why}\n"
+                == capsys.readouterr().err)
 
 
 def test_a_single_evaluation_is_drawn_as_visible_points(tmp_path):

