@@ -2226,27 +2226,25 @@ def test_bits_per_byte_of_an_evaluation_are_its_nats_over_the_utf8_bytes_of_its_
     ckpt = torch.load(tmp_path / 'all' / 'ckpt.pt', weights_only=True)
     model = GPT(GPTConfig(**ckpt['model_args'])).eval()
     model.load_state_dict(ckpt['model'])
-    nats, total = 0.0, 0
-    with torch.no_grad():
-        for i in range((len(splits['val']) - 1) // 16):
-            w = torch.from_numpy(splits['val'][i * 16:i * 16 + 17].astype(np.int64))
-            nats += F.cross_entropy(model(w[None, :-1])[0][0].double(), w[1:], reduction='sum').item()
-            total += n_bytes[w[1:]].sum()
+    targets = splits['val'][1:(len(splits['val']) - 1) // 16 * 16 + 1]  # those of every whole window
+    nats = windows_reference(model, splits['val'], 16) * len(targets)
     last = [r for r in read_metrics(tmp_path / 'all') if 'val_loss' in r][-1]
-    assert last['iter'] == 4 and last['val_bpb'] == pytest.approx(nats / math.log(2) / total, rel=1e-5)
+    assert last['iter'] == 4 and last['val_bpb'] == pytest.approx(nats / math.log(2) / n_bytes[targets].sum(),
+                                                                   rel=1e-5)
     assert f"iter 4: val loss {last['val_loss']:.4f}, val bpb {last['val_bpb']:.4f}\n" in printed.getvalue()
     assert '\nbits per byte = eval loss / ln 2 / bytes per token (val ' in printed.getvalue()
 
     printed = io.StringIO()
     with redirect_stdout(printed):
         assert train.main(flags + [f'--out_dir={tmp_path / "drawn"}']) == 0
-    for r in (r for r in read_metrics(tmp_path / 'drawn') if 'val_loss' in r):  # the line names val's, not train's
+    evals = [r for r in read_metrics(tmp_path / 'drawn') if 'val_loss' in r]
+    for r in evals:  # the line names val's, not train's
         assert (f"iter {r['iter']}: train loss {r['train_loss']:.4f}, val loss {r['val_loss']:.4f}, "
                 f"val bpb {r['val_bpb']:.4f}\n") in printed.getvalue()
     for i, split in enumerate(('train', 'val'), start=1):
         draw = train.Batches(splits[split], 4, 16, 'cpu', train.seed + i, 2)
         targets = np.concatenate([y.numpy().ravel() for _, y, _ in draw.eval_batches()])
-        for r in (r for r in read_metrics(tmp_path / 'drawn') if 'val_loss' in r):
+        for r in evals:
             want = r[f'{split}_loss'] * len(targets) / n_bytes[targets].sum() / math.log(2)
             assert r[f'{split}_bpb'] == pytest.approx(want, rel=1e-12), (split, r['iter'])
 
