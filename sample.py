@@ -48,25 +48,8 @@ def main(argv):
     device = pick_device(cfg['device'])
     device_type = torch.device(device).type
     dtype, _ = pick_dtype(cfg['dtype'], device_type)
-    path = f"{cfg['out_dir']}/{cfg['ckpt']}"
-    ckpt = load_checkpoint(path)  # to the CPU: the optimizer's state never reaches the device
-    if missing := [k for k in ('model', 'model_args', 'meta') if k not in ckpt]:
-        raise TrainError(f"{path} is not a checkpoint of train.py: it lacks {', '.join(missing)}")
-    try:
-        model = GPT(GPTConfig(**ckpt['model_args']))
-    except (TypeError, ValueError) as e:  # a key GPTConfig lacks, or a shape it refuses (not written by train.py)
-        raise TrainError(f"{path}: its model_args do not make a model.py config: {e}") from None
-    try:
-        model.load_state_dict(ckpt['model'])
-    except RuntimeError as e:  # names missing, unexpected or misshapen
-        raise TrainError(f"{path}: its weights do not fit its model_args{compiled_note(ckpt['model'])}: "
-                         f"{' '.join(str(e).split())[:500]}") from None
-    model.to(device).eval()
+    model, ckpt, encode, decode = load_model(f"{cfg['out_dir']}/{cfg['ckpt']}", device)
     meta = ckpt['meta']
-    try:
-        encode, decode = get_tokenizer(meta)
-    except ValueError as e:  # a tokenizer that cannot be had here (tiktoken's files offline, a moved tokenizer.json)
-        raise TrainError(f"{path}: its tokenizer: {e}") from None
 
     prompt = cfg['start']
     if prompt.startswith('FILE:'):
@@ -109,6 +92,29 @@ def main(argv):
         sys.stdout.flush()
     except BrokenPipeError:  # `| head`: the reader has what it wanted (the recipe of Python's docs)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def load_model(path, device):
+    """(the model on device in eval mode, the checkpoint, encode, decode): a train.py checkpoint's model and its data's
+    tokenizer (hellaswag.py reads checkpoints with it too). Each way a file can fail is a TrainError naming it."""
+    ckpt = load_checkpoint(path)  # to the CPU: the optimizer's state never reaches the device
+    if missing := [k for k in ('model', 'model_args', 'meta') if k not in ckpt]:
+        raise TrainError(f"{path} is not a checkpoint of train.py: it lacks {', '.join(missing)}")
+    try:
+        model = GPT(GPTConfig(**ckpt['model_args']))
+    except (TypeError, ValueError) as e:  # a key GPTConfig lacks, or a shape it refuses (not written by train.py)
+        raise TrainError(f"{path}: its model_args do not make a model.py config: {e}") from None
+    try:
+        model.load_state_dict(ckpt['model'])
+    except RuntimeError as e:  # names missing, unexpected or misshapen
+        raise TrainError(f"{path}: its weights do not fit its model_args{compiled_note(ckpt['model'])}: "
+                         f"{' '.join(str(e).split())[:500]}") from None
+    model.to(device).eval()
+    try:
+        encode, decode = get_tokenizer(ckpt['meta'])
+    except ValueError as e:  # a tokenizer that cannot be had here (tiktoken's files offline, a moved tokenizer.json)
+        raise TrainError(f"{path}: its tokenizer: {e}") from None
+    return model, ckpt, encode, decode
 
 
 if __name__ == '__main__':
