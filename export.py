@@ -32,6 +32,7 @@ import re
 import shutil
 import sys
 import tempfile
+from contextlib import suppress
 
 import torch
 
@@ -309,8 +310,6 @@ FOREIGN = ('model.safetensors.index.json', 'pytorch_model.bin', 'pytorch_model.b
 
 def export(ckpt_path, hf_dir, dtype='float32'):
     """Write the checkpoint at ckpt_path as a transformers model directory; returns the lines it printed."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
     from train import load_checkpoint, probe_out_dir  # here: train.py imports this file for init_from=hf
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise ValueError(f"dtype={dtype!r}: expected 'float32', 'bfloat16' or 'float16'")
@@ -323,7 +322,21 @@ def export(ckpt_path, hf_dir, dtype='float32'):
         raise ValueError(f"{ckpt_path}: its model_args do not make a model.py config: {e}") from None
     config = hf_config(c, meta.get('eot_token'), dtype)
     tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in to_hf(ckpt['model'], c).items()}
+    made = not os.path.exists(hf_dir)
     probe_out_dir(hf_dir, 'hf_dir')  # made and probed: a one-line error naming it
+    try:
+        return write_export(hf_dir, ckpt_path, ckpt, c, meta, config, tensors, dtype)
+    except BaseException:
+        if made:
+            with suppress(OSError):  # rmdir removes only an empty directory
+                os.rmdir(hf_dir)  # a failed export into a new directory leaves none behind
+        raise
+
+
+def write_export(hf_dir, ckpt_path, ckpt, c, meta, config, tensors, dtype):
+    """export()'s check of what hf_dir holds, then its writes: each file staged in hf_dir, then moved into place."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
     ours = ({'char_vocab.json'} if meta['tokenizer'] == 'char' else {'tokenizer.json', 'tokenizer_config.json'}
             | ({'chat_template.jinja'} if meta.get('chat_template') else set()))
     stale = [n for n in FOREIGN if n not in ours and os.path.exists(os.path.join(hf_dir, n))]

@@ -195,9 +195,9 @@ def standard_error(p, n):
 
 def main(argv):
     cfg = configure(DEFAULTS, argv, __file__)
-    for key in ('limit', 'batch_size'):
-        if cfg[key] < (key == 'batch_size'):
-            raise ConfigError(f"{key}={cfg[key]} is out of range (see the defaults in hellaswag.py)")
+    for key, least in (('limit', 0), ('batch_size', 1)):
+        if cfg[key] < least:
+            raise ConfigError(f"{key}={cfg[key]} is out of range: {least} or more")
     check_device(cfg['device'])
     device = pick_device(cfg['device'])
     dtype, _ = pick_dtype(cfg['dtype'], torch.device(device).type)

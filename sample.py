@@ -39,11 +39,15 @@ DEFAULTS = dict(
 
 def main(argv):
     cfg = configure(DEFAULTS, argv, __file__)
-    for key, ok in (('num_samples', cfg['num_samples'] >= 1), ('max_new_tokens', cfg['max_new_tokens'] >= 0),
-                    ('temperature', 0 <= cfg['temperature'] <= torch.finfo(torch.float32).max),  # (finite there)
-                    ('top_k', cfg['top_k'] >= 0), ('top_p', 0 < cfg['top_p'] <= 1), ('seed', 0 <= cfg['seed'] < 2**63)):
+    for key, ok, wanted in (
+            ('num_samples', cfg['num_samples'] >= 1, 'at least 1'),
+            ('max_new_tokens', cfg['max_new_tokens'] >= 0, '0 or more'),
+            ('temperature', 0 <= cfg['temperature'] <= torch.finfo(torch.float32).max, '0 (greedy) or more, finite'),
+            ('top_k', cfg['top_k'] >= 0, '0 (off) or more'),
+            ('top_p', 0 < cfg['top_p'] <= 1, 'above 0, at most 1 (off)'),
+            ('seed', 0 <= cfg['seed'] < 2**63, 'from 0 to 2**63 - 1')):
         if not ok:
-            raise ConfigError(f"{key}={cfg[key]} is out of range (see the defaults in sample.py)")
+            raise ConfigError(f"{key}={cfg[key]} is out of range: {wanted}")
     check_device(cfg['device'])
     device = pick_device(cfg['device'])
     device_type = torch.device(device).type

@@ -167,7 +167,7 @@ def reference_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize('how', ['eval-checkpoint', 'final-iter-not-eval', 'sigterm-mid-interval',
-                                 'sigterm-at-eval-iteration'])
+                                 'sigterm-at-eval-iteration', 'sigterm-during-eval'])
 def test_resume_is_bit_exact(reference_run, tmp_path, monkeypatch, capsys, how):
     # Reference: the same 10 iterations run straight through (dropout 0.2 and 2 micro-steps, so the
     # torch RNG, the sampler's generator and the accumulation all have to be restored). Every logged
@@ -182,6 +182,18 @@ def test_resume_is_bit_exact(reference_run, tmp_path, monkeypatch, capsys, how):
         # evaluated, as the end of that run: its one extra line is checked and left out of the comparison)
         assert train.main(args(data_dir, out, *RESUME_FLAGS, '--max_iters=6')) == 0
         stopped_at = 6
+    elif how == 'sigterm-during-eval':    # during the evaluation at 4: the run stops after it, with no step more
+        real, calls = train.estimate_loss, []
+
+        def estimate_loss(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:  # the evaluations at 0 and 4
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+        with monkeypatch.context() as m:
+            m.setattr(train, 'estimate_loss', estimate_loss)
+            assert train.main(first) == 128 + signal.SIGTERM
+        stopped_at = 4
     else:                                 # a SIGTERM during the step to iteration 3 (or 8, an eval iteration)
         stopped_at = 3 if how == 'sigterm-mid-interval' else 8
         with monkeypatch.context() as m:
@@ -1251,6 +1263,31 @@ def test_scratch_run_moves_an_earlier_run_aside(data, tmp_path, capsys):
     assert 'continue' not in line and 'init_from' not in line, line
 
 
+def test_a_start_that_fails_leaves_the_earlier_run_in_place(data, tmp_path):
+    # Reference: the earlier run's files, byte for byte, where they were. Checks that come late in setup (an optimizer
+    # this device cannot run; so do wandb's start and init_from=hf:'s vocabulary, test_hf.py) used to fail after the
+    # files had been moved aside, and a retry that failed again moved them once more
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    before = run_files(out)
+    for _ in range(2):
+        with pytest.raises(train.TrainError, match='optimizer=paged_adamw8bit needs CUDA'):
+            train.main(args(data, out, '--eval_interval=2', '--max_iters=2', '--optimizer=paged_adamw8bit'))
+    assert run_files(out) == before and not glob.glob(str(out / 'previous-*'))
+
+
+def test_resume_without_a_checkpoint_names_the_one_moved_aside(data, tmp_path):
+    # Reference: the folders a scratch run moved the earlier runs into: the resume names the latest one's checkpoint
+    out = tmp_path / 'out'
+    for folder in ('previous-20250101-120000-a', 'previous-20250102-090000-b'):
+        (out / folder).mkdir(parents=True)
+        (out / folder / 'ckpt.pt').write_bytes(b'')
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, out, '--init_from=resume'))
+    assert str(e.value) == (f"no checkpoint at {out}/ckpt.pt; a scratch run moved an earlier run's aside: to continue "
+                            f"the latest, --out_dir={out}/previous-20250102-090000-b --init_from=resume")
+
+
 def test_two_scratch_restarts_in_the_same_second_keep_both_runs(data, tmp_path, monkeypatch):
     # previous-<date-time> has a one-second resolution: three scratch runs within one second (simulated
     # by freezing the clock that names the folder) must still keep both earlier runs.
@@ -1479,8 +1516,10 @@ def test_sample_errors_name_the_device_the_checkpoint_and_the_tokenizer(data, tm
     torch.save({**ckpt, 'meta': dict(tokenizer='gpt2', vocab_size=V)}, out / 'bpe.pt')
     monkeypatch.setattr(sample, 'get_tokenizer', lambda meta: prepare_data.load_bpe('no-such-encoding'))
     with pytest.raises(train.TrainError, match=re.escape(f"{out}/bpe.pt: its tokenizer: tokenizer 'no-such-encoding' "
-                                                         "could not be loaded")):
+                                                         "could not be loaded")) as e:
         sample.main([*base, '--ckpt=bpe.pt'])
+    # what to do about it, without prepare_data.py's advice (a --tokenizer flag sample.py does not have)
+    assert str(e.value).endswith("(TIKTOKEN_CACHE_DIR sets where): load it once where there is one")
     monkeypatch.undo()
     # checkpoints train.py does not write: a model_args key model.py lacks, a shape GPTConfig refuses, a compiled
     # model's weight names (as export.py says them; they were tracebacks)

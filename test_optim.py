@@ -890,6 +890,20 @@ def test_refused_combinations(data, tmp_path, extra, words):
     assert_no_run_files(out)
 
 
+@pytest.mark.parametrize('extra, unmet', [
+    (['--grad_clip=0'], "a CUDA GPU, not device cpu"),
+    ([], "a CUDA GPU, not device cpu; grad_clip=0 (the gradients are copied to the CPU during the backward pass, "
+         "before they could be clipped), not grad_clip=1.0"),
+    (['--grad_clip=0', '--optimizer=adamw8bit'], "optimizer='adamw', not optimizer='adamw8bit'; a CUDA GPU, not "
+                                                 "device cpu"),
+], ids=['cpu', 'cpu-and-clipping', 'cpu-and-8bit'])
+def test_optimizer_offload_names_each_condition_the_run_does_not_meet(data, tmp_path, extra, unmet):
+    # Reference: the conditions each run leaves unmet (the message listed all five, met or not)
+    with pytest.raises(ConfigError) as e:
+        main_capture(args(data, tmp_path / 'out', '--optimizer_offload=True', *extra))
+    assert str(e.value) == f"optimizer_offload=True needs {unmet}"
+
+
 def test_optimizer_offload_without_torchao_is_a_clear_error(monkeypatch):
     # Reference: the README (torchao is not in requirements.txt, `pip install torchao` on the GPU
     # machine) and fp8's handling of the same import: a TrainError naming torchao and how to install it.

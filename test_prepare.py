@@ -621,6 +621,17 @@ def test_utf16_and_utf32_files_are_refused_naming_them(tmp_path, kind, encoding,
     assert not (tmp_path / 'out').exists()
 
 
+def test_a_binary_file_is_refused_as_not_text(tmp_path):
+    # Reference: a character-level token file as prepare_data.py writes one (uint16 ids below 256: every high byte NUL)
+    bad = tmp_path / 'train.bin'
+    (np.arange(2000) % 84).astype(np.uint16).tofile(bad)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={bad}', f'--data_dir={tmp_path / "out"}'])
+    assert str(e.value.code).startswith(f'prepare_data.py: error: {bad}: UTF-16 or UTF-32, not UTF-8 (')
+    assert 'bytes are NUL: or a binary file, not text)' in str(e.value.code)
+    assert not (tmp_path / 'out').exists()
+
+
 def test_invalid_utf8_becomes_replacement_character(tmp_path):
     (tmp_path / 'a.txt').write_bytes(b'caf\xc3\xa9 \xff bad byte\n' * 20)
     meta = prepare(str(tmp_path / 'a.txt'), 'char', str(tmp_path / 'out'), 0.1)

@@ -72,6 +72,7 @@ START_TIME = time.time()  # first of all, before the heavy imports: time_s count
 
 import collections  # noqa: E402
 import gc  # noqa: E402
+import glob  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -179,7 +180,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items()
 
 from configurator import configure, ConfigError, read_config_file  # noqa: E402
 from model import GPT, GPTConfig, peak_flops  # noqa: E402
-from prepare_data import os_reason, probe_dir, token_bytes, vocabulary  # noqa: E402
+from prepare_data import HFTokenizer, get_tokenizer, os_reason, probe_dir, token_bytes, vocabulary  # noqa: E402
 
 MODEL_KEYS = list(GPTConfig().to_dict())
 # what a resumed run must not change (dropout may; zero_init_proj only chose the initial weights)
@@ -1076,7 +1077,8 @@ def stop_on_signals():
             os.write(2, f"\n{name} received again: stopping now, without saving\n".encode())
             raise SystemExit(128 + signum)
         stop['signal'] = signum
-        os.write(2, f"\n{name} received: stopping after this step (again: at once, without saving)\n".encode())
+        os.write(2, f"\n{name} received: stopping after this step or evaluation (again: at once, without "
+                    f"saving)\n".encode())
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop
@@ -1313,8 +1315,7 @@ def setup(cfg, argv, device, rank, world):
         if is_hf(cfg):  # the model's, which no vocab_size flag may change (model_shape)
             path = cfg.init_from[3:]
             raise TrainError(f"the model's vocab_size={r.vocab} ({path}/config.json) is smaller than {theirs}: "
-                             f"finetune on data prepared with the model's tokenizer (prepare_data.py "
-                             f"--tokenizer=hf:{path})")
+                             f"finetune on data prepared with the model's tokenizer{tokenizer_advice(path)}")
         raise TrainError(f"vocab_size={r.vocab} is smaller than {theirs}")
     train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
     val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
@@ -1342,11 +1343,14 @@ def setup(cfg, argv, device, rank, world):
     if world > 1 and cfg.parallelism == 'fsdp' and cfg.optimizer != 'adamw':
         raise ConfigError(f"optimizer={cfg.optimizer!r} does not work on FSDP's sharded parameters: "
                           f"use parallelism='ddp' or optimizer='adamw'")
-    if cfg.optimizer_offload and (world > 1 or cfg.optimizer != 'adamw' or device_type != 'cuda'
-                                  or r.dtype == 'float16' or cfg.grad_clip > 0):
-        raise ConfigError("optimizer_offload=True works with optimizer='adamw' in one process on one CUDA GPU, "
-                          "in bfloat16 or float32, with grad_clip=0 (the gradients are copied to the CPU during "
-                          "the backward pass, before they could be clipped)")
+    unmet = [f"{need}, not {have}" for need, have, met in (
+        ("optimizer='adamw'", f"optimizer={cfg.optimizer!r}", cfg.optimizer == 'adamw'),
+        ("one process", f"{world}", world == 1), ("a CUDA GPU", f"device {device}", device_type == 'cuda'),
+        ("bfloat16 or float32", r.dtype, r.dtype != 'float16'),
+        ("grad_clip=0 (the gradients are copied to the CPU during the backward pass, before they could be clipped)",
+         f"grad_clip={cfg.grad_clip}", cfg.grad_clip == 0)) if not met]
+    if cfg.optimizer_offload and unmet:
+        raise ConfigError(f"optimizer_offload=True needs {'; '.join(unmet)}")
 
     # ---- parallelism: FSDP2 shards parameters, gradients and optimizer state (here, before the weights load into
     # its shards); DDP replicates the model (below, once the checkpoint is loaded and freed)
@@ -1390,12 +1394,15 @@ def setup(cfg, argv, device, rank, world):
         r.parallel_note = f'DDP, {world} processes'
     r.compiled, r.compile_note = compile_model(r)
     r.wandb = start_wandb(r)
+    if cfg.init_from != 'resume':  # last: a start that fails on any check above leaves the earlier run where it was
+        on_master(r, lambda: move_earlier_run(r))
     return r
 
 
 def start_or_resume(r):
     """Resume from out_dir/ckpt.pt (model, scaler, data and counters; returns the checkpoint for the
-    optimizer), or start afresh, moving an earlier run's files aside. Sets the run's paths and counters."""
+    optimizer), or start afresh (setup then moves an earlier run's files aside). Sets the run's paths and
+    counters."""
     cfg, say = r.cfg, r.say
     r.ckpt_path, r.best_path = os.path.join(cfg.out_dir, 'ckpt.pt'), os.path.join(cfg.out_dir, 'best.pt')
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
@@ -1404,11 +1411,14 @@ def start_or_resume(r):
     r.saved_iter = None  # the iteration of the last checkpoint written (or resumed from)
     r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
     r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
-    if cfg.init_from != 'resume':
-        on_master(r, lambda: move_earlier_run(r))
+    if cfg.init_from != 'resume':  # an earlier run's files are moved aside at the end of setup
         if is_hf(cfg):
             r.init_from = start_from_hf(r)
         return None
+    if not os.path.exists(r.ckpt_path) and (earlier := sorted(glob.glob(os.path.join(cfg.out_dir, 'previous-*',
+                                                                                     'ckpt.pt')))):
+        raise TrainError(f"no checkpoint at {r.ckpt_path}; a scratch run moved an earlier run's aside: to continue "
+                         f"the latest, --out_dir={shlex.quote(os.path.dirname(earlier[-1]))} --init_from=resume")
     ckpt = load_checkpoint(r.ckpt_path)
     missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
     if missing:
@@ -1610,25 +1620,56 @@ def hf_checkpoint_shape(out_dir):
         return None
 
 
+# text of many kinds (words, digits, punctuation, whitespace runs, accents, CJK, an emoji) that two tokenizers
+# encode alike only if they are the same one, for hf_vocabulary_mismatch
+PROBE_TEXT = ("The quick brown fox, 1,234,567 times: don't STOP!\n\n\tIt's 3.14159 -- caf\u00e9 na\u00efve "
+              "\u00fcber \u201cquoted\u201d \u65e5\u672c\u8a9e \U0001f600  two  spaces   three\r\n<|x|> end")
+
+
 def hf_vocabulary_mismatch(path, data_meta):
     """What differs between the vocabulary of the model directory at path and the data's, where both can be
-    told: a character-level export (its char_vocab.json) against the data's characters, a tokenizer.json against
-    the data's of hf:PATH (by sha256). None where they agree, or where only the sizes can be compared."""
+    told: a character-level export (its char_vocab.json) against the data's characters; a tokenizer.json against
+    the data's of hf:PATH (by sha256), against char-level data (always), and against tiktoken's (by the ids each
+    gives PROBE_TEXT: an export of a tiktoken run converts it to a tokenizer.json that gives the same ids). None
+    where they agree, or where only the sizes can be compared (no tokenizer file; tiktoken's file not loadable)."""
     chars_path, tokenizer_path = os.path.join(path, 'char_vocab.json'), os.path.join(path, 'tokenizer.json')
     try:
         if os.path.isfile(chars_path):
             with open(chars_path, encoding='utf-8') as f:
                 chars = ''.join(json.load(f))
             return vocabulary_mismatch(dict(tokenizer='char', vocab_size=len(chars), chars=chars), data_meta)
-        if data_meta['tokenizer'].startswith('hf:') and os.path.isfile(tokenizer_path):
+        if not os.path.isfile(tokenizer_path):
+            return None
+        if data_meta['tokenizer'].startswith('hf:'):
             with open(tokenizer_path, 'rb') as f:
                 sha = hashlib.sha256(f.read()).hexdigest()
             theirs = data_meta.get('tokenizer_sha256')
             return None if sha == theirs else (f"{tokenizer_path} has sha256 {sha[:12]}..., the data's tokenizer.json "
                                                f"{str(theirs)[:12]}...")
-    except (OSError, ValueError, TypeError) as e:
+        if data_meta['tokenizer'] == 'char':
+            return f"the model has {tokenizer_path}, the data is {describe_vocabulary(data_meta)}"
+        with open(tokenizer_path, encoding='utf-8') as f:
+            ours = HFTokenizer(f.read()).encode_ordinary(PROBE_TEXT)
+    except Exception as e:  # tokenizers' errors are plain Exceptions
         raise TrainError(f"cannot read the vocabulary of {path}: {e}") from None
-    return None
+    try:
+        theirs = get_tokenizer(data_meta)[0](PROBE_TEXT)
+    except ValueError:  # tiktoken's file cannot be had here: only the sizes compare
+        return None
+    if ours == theirs:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return (f"{tokenizer_path} and the data's {describe_vocabulary(data_meta)} encode the same text to other ids "
+            f"(from token {at}: {ours[at:at + 3]} against {theirs[at:at + 3]})")
+
+
+def tokenizer_advice(path):
+    """How to prepare data for the model directory at path, where it holds a tokenizer prepare_data.py can use."""
+    if os.path.isfile(os.path.join(path, 'tokenizer.json')):
+        return f" (prepare_data.py --tokenizer=hf:{path})"
+    if os.path.isfile(os.path.join(path, 'char_vocab.json')):
+        return f" (character level, with the characters of {path}/char_vocab.json)"
+    return ''
 
 
 def start_from_hf(r):
@@ -1638,7 +1679,8 @@ def start_from_hf(r):
     path = r.cfg.init_from[3:]
     if mismatch := hf_vocabulary_mismatch(path, r.meta):
         raise TrainError(f"init_from={r.cfg.init_from}: the model's vocabulary is not {r.cfg.data_dir}'s: "
-                         f"{mismatch}. Finetune only on data prepared with the model's tokenizer")
+                         f"{mismatch}. Finetune only on data prepared with the model's tokenizer"
+                         f"{tokenizer_advice(path)}")
     try:
         state = load_hf_weights(path, r.model_config)
     except ValueError as e:
@@ -1911,6 +1953,19 @@ def evaluate(r):
     return time.time() - start
 
 
+def stopped(r, stop):
+    """If a signal reached any process (all stop at the same point): the checkpoint saved, unless this iteration's
+    is, the command that resumes printed, and the exit code returned; else None."""
+    if not agree(bool(stop), r.device, every=False):
+        return None
+    if r.saved_iter != r.iter_num:
+        save(r, r.ckpt_path)
+    signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
+    r.say(f"{signal.Signals(signum).name}: saved {r.ckpt_path} at iteration {r.iter_num}. Resume with:\n"
+          f"  {resume_command(r.argv, r.world)}")
+    return 128 + signum
+
+
 def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval and at the end, step, log; returns the
     exit code."""
@@ -1927,6 +1982,8 @@ def train_loop(r):
             # every eval_interval, and at the end (max_iters need not be a multiple of it)
             if (r.iter_num % cfg.eval_interval == 0 or r.iter_num >= cfg.max_iters) and r.last_eval != r.iter_num:
                 eval_s = evaluate(r)  # evaluation, plot and checkpoints: the time left counts those to come
+                if r.iter_num < cfg.max_iters and (code := stopped(r, stop)) is not None:  # a signal during the
+                    return code  # evaluation: no step after it (after the last one, the run ends as it would)
                 t0, t0_iter = time.time(), r.iter_num  # keep evaluation out of the throughput figures
             if r.iter_num >= cfg.max_iters:
                 break
@@ -1970,12 +2027,8 @@ def train_loop(r):
                         + state_where(r.optimizer))
                     state_reported = True
                 t0, t0_iter = time.time(), r.iter_num
-            if agree(bool(stop), r.device, every=False):  # a signal to any process stops them all, at one step
-                save(r, r.ckpt_path)
-                signum = stop.get('signal', signal.SIGTERM)  # a process the signal did not reach says SIGTERM
-                say(f"{signal.Signals(signum).name}: saved {r.ckpt_path} at iteration {r.iter_num}. Resume with:\n"
-                    f"  {resume_command(r.argv, world)}")
-                return 128 + signum
+            if (code := stopped(r, stop)) is not None:
+                return code
         if r.saved_iter != r.iter_num:
             save(r, r.ckpt_path)
         say(f"done: {r.iter_num} iterations, {best_val_text(r.best_val_loss)}; checkpoints in {cfg.out_dir}")
