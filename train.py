@@ -2040,7 +2040,9 @@ if __name__ == '__main__':
         sys.exit(main(sys.argv[1:]))
     except (ConfigError, TrainError) as e:
         # one write of the whole line (sys.exit(message) writes the newline apart): under torchrun the
-        # processes share stderr, and two processes' errors would otherwise run together on one line
-        sys.stderr.write(f"train.py: error: {e}\n")
-        sys.stderr.flush()
+        # processes share stderr, and two processes' errors would otherwise run together on one line. A config
+        # error is every process's alike: process 0 prints it
+        if isinstance(e, TrainError) or os.environ.get('RANK', '0') == '0':
+            sys.stderr.write(f"train.py: error: {e}\n")
+            sys.stderr.flush()
         sys.exit(1)
