@@ -6,8 +6,9 @@ Config files and --key=value flags, read as data and never executed.
 Each script keeps its defaults as a dict of plain values (train.py: the commented globals at its top).
 Arguments are applied in order: config files (a .py file of literal assignments such as
 `n_layer = 6`), then flags; a config file that sets a key an earlier flag set is an error (the flag would
-silently lose). An unknown key is an error naming it and the closest real key; a value of
-the wrong type is an error naming the key, the value and the expected type. An int is accepted where
+silently lose). An unknown key is an error naming it and the closest real key (a config file most of whose keys
+are unknown: an error saying it looks like another script's; a missing one: the path meant, config/NAME.py); a
+value of the wrong type is an error naming the key, the value and the expected type. An int is accepted where
 a float is expected; bools are written True/False. --help (or -h), wherever it stands, prints every key
 with its default and, given the script's source, the comment beside it there (key_comments).
 """
@@ -58,7 +59,10 @@ def _parse_flag_value(text, default):
 def read_config_file(path):
     """The {key: value} pairs of a config file made of literal assignments."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' " + ("is a directory" if os.path.isdir(path) else "does not exist"))
+        near = [p for p in (path + '.py', os.path.join('config', path), os.path.join('config', path + '.py'))
+                if os.path.isfile(p)]  # the name as typed without its folder or its .py
+        raise ConfigError(f"config file '{path}' " + ("is a directory" if os.path.isdir(path) else "does not exist")
+                          + (f"; did you mean '{near[0]}'?" if near else ''))
     try:
         with open(path, encoding='utf-8-sig') as f:  # -sig: a BOM, as some editors write, is dropped
             source = f.read()
@@ -134,7 +138,13 @@ def configure(defaults, argv, source=None):
             value = _parse_flag_value(text, defaults[key])
             config[key], flags[key] = _check_type(key, value, defaults[key], f"flag '{arg}'"), arg
         else:
-            for key, value in read_config_file(arg).items():
+            values = read_config_file(arg)
+            unknown = [k for k in values if k not in defaults]
+            if len(unknown) > 1 and 2 * len(unknown) > len(values):  # most of it: a file for another script
+                raise ConfigError(f"config file '{arg}' sets {len(unknown)} keys this script does not have ("
+                                  f"{', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''}): another script's "
+                                  f"config? --help lists this one's keys")
+            for key, value in values.items():
                 _check_key(key, defaults, f"config file '{arg}'")
                 if key in flags:
                     raise ConfigError(f"config file '{arg}' sets '{key}', which the flag '{flags[key]}' before it "

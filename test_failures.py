@@ -1937,8 +1937,9 @@ def test_max_autotune_under_deterministic_is_a_warning(mode, deterministic, comp
                                               'max_iters; a resume with a larger max_iters goes on along the same '
                                               'schedule)'),
     (['--max_iters=4', '--lr_decay_iters=10', '--lr_schedule=wsd'], 'lr_decay_iters=10 is above max_iters=4: the '
-                                                                    'learning rate never starts its decay (wsd) at the '
-                                                                    'last step, not at min_lr=1.00e-03 '),
+                                                                    'learning rate has not started its decay (wsd) by '
+                                                                    'the last step, so it never reaches '
+                                                                    'min_lr=1.00e-03 '),
     (['--max_iters=3'], None),
     (['--max_iters=3', '--lr_decay_iters=3'], None),
     (['--max_iters=3', '--lr_decay_iters=2', '--min_lr=1e-2'], None),  # min_lr = learning_rate: a constant rate

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import model as model_module
 import train
-from configurator import ConfigError, configure, key_comments
+from configurator import ConfigError, configure, key_comments, read_config_file
 from conftest import (assert_rmsnorm_rounded_once, assert_same, deterministic, read_metrics, rmsnorm_bf16_case,
                       write_dataset)
 from model import (GPT, GPTConfig, KVCache, CausalSelfAttention, MLP, apply_rotary, rope_cache, rotary_tables,
@@ -1179,11 +1179,37 @@ def test_an_integer_beyond_a_floats_range_is_a_config_error(tmp_path):
         configure(train.DEFAULTS, ['--learning_rate=1' + '0' * 400])
 
 
-def test_missing_config_file_is_named(tmp_path):
-    # Reference: the path given and the reason
+def test_missing_config_file_is_named(tmp_path, monkeypatch):
+    # Reference: the path given and the reason; where the name as typed lacks its folder or its .py, the file meant
     path = tmp_path / 'nope.py'
-    with pytest.raises(ConfigError, match=re.escape(f"config file '{path}' does not exist")):
+    with pytest.raises(ConfigError) as e:
         configure(train.DEFAULTS, [str(path)])
+    assert str(e.value) == f"config file '{path}' does not exist"
+    (tmp_path / 'config').mkdir()
+    (tmp_path / 'config' / 'small.py').write_text('n_layer = 2\n')
+    monkeypatch.chdir(tmp_path)
+    for typed in ('small', 'small.py', 'config/small'):
+        with pytest.raises(ConfigError) as e:
+            configure(train.DEFAULTS, [typed])
+        assert str(e.value) == f"config file '{typed}' does not exist; did you mean 'config/small.py'?"
+
+
+def test_another_scripts_config_file_is_named_as_such(tmp_path):
+    # Reference: the keys of config/train_small.py that sample.py lacks, read from the file. A file of mostly unknown
+    # keys is another script's (the hint was the closest key to its first: did you mean 'out_dir'?); one unknown key
+    # in a file of known ones is a typo, and gets the closest real key
+    import sample
+    path = os.path.join(HERE, 'config', 'train_small.py')
+    unknown = [k for k in read_config_file(path) if k not in sample.DEFAULTS]
+    with pytest.raises(ConfigError) as e:
+        configure(sample.DEFAULTS, [path])
+    assert str(e.value) == (f"config file '{path}' sets {len(unknown)} keys this script does not have "
+                            f"({', '.join(unknown[:4])}, ...): another script's config? --help lists this one's keys")
+    typo = tmp_path / 'typo.py'
+    typo.write_text("out_dir = 'x'\nnum_samples = 2\ntop_kk = 5\n")
+    with pytest.raises(ConfigError, match=re.escape(f"unknown config key 'top_kk' in config file '{typo}'; did you "
+                                                    f"mean 'top_k'?")):
+        configure(sample.DEFAULTS, [str(typo)])
 
 
 # ----------------------------------------------------------------------------------------------------

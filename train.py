@@ -1175,7 +1175,7 @@ def setting_warnings(cfg, world):
     decay, or not to its end), for a new run that neither trains nor evaluates, for max-autotune under
     deterministic, for half of the short-block pair set without the other, and for short blocks that last the whole
     run."""
-    warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and "
+    warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and this run has "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
     warnings += [f"{key}={getattr(cfg, key)!r} has no effect: {other}=0" for key, other in
@@ -1195,8 +1195,9 @@ def setting_warnings(cfg, world):
     elif cfg.lr_decay_iters > cfg.max_iters > 0 and cfg.min_lr < cfg.learning_rate:
         last = get_lr(cfg.max_iters - 1, cfg)
         warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is above max_iters={cfg.max_iters}: the learning rate "
-                        + ("never starts its decay (wsd)" if last == cfg.learning_rate else f"ends at {last:.2e}")
-                        + f" at the last step, not at min_lr={cfg.min_lr:.2e} (lr_decay_iters=0: max_iters; a resume "
+                        + ("has not started its decay (wsd) by the last step, so it never reaches"
+                           if last == cfg.learning_rate else f"ends at {last:.2e} at the last step, not at")
+                        + f" min_lr={cfg.min_lr:.2e} (lr_decay_iters=0: max_iters; a resume "
                         f"with a larger max_iters goes on along the same schedule)")
     if is_hf(cfg) and cfg.zero_init_proj != DEFAULTS['zero_init_proj']:
         warnings.append(f"zero_init_proj={cfg.zero_init_proj!r} has no effect: the weights come from "
