@@ -140,7 +140,7 @@ def configure(defaults, argv, source=None):
         else:
             values = read_config_file(arg)
             unknown = [k for k in values if k not in defaults]
-            if len(unknown) > 1 and 2 * len(unknown) > len(values):  # most of it: a file for another script
+            if len(unknown) > 2 and 2 * len(unknown) > len(values):  # most of it: a file for another script
                 raise ConfigError(f"config file '{arg}' sets {len(unknown)} keys this script does not have ("
                                   f"{', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''}): another script's "
                                   f"config? --help lists this one's keys")

@@ -20,6 +20,7 @@ masked). An item the tokenizer cannot encode (a character-level vocabulary lacks
 ending alone is longer than block_size tokens is left out, and the result says how many and why. The result line
 gives each accuracy with its standard error (over the items, as lm-evaluation-harness gives it).
 """
+import http.client
 import json
 import math
 import os
@@ -49,16 +50,20 @@ DEFAULTS = dict(
 
 
 def download(path, url, timeout=60):
-    """url to path, through a temporary file beside it: an interrupted download leaves nothing at path."""
+    """url to path, through a temporary file beside it: an interrupted download leaves nothing at path, nor does one
+    whose connection closed early (fewer bytes than its Content-Length, which http.client does not raise for)."""
     print(f"hellaswag.py: downloading {url} to {path}", file=sys.stderr)
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, 'wb') as f:
+            size, expected = 0, response.headers.get('Content-Length')
             while chunk := response.read(1 << 20):
-                f.write(chunk)
+                size += f.write(chunk)
+        if expected is not None and size != int(expected):
+            raise OSError(f"the connection closed after {size:,} of its {int(expected):,} bytes")
         os.replace(tmp, path)
-    except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors
+    except (OSError, ValueError, http.client.HTTPException) as e:  # URLError and timeouts are OSErrors
         raise TrainError(f"could not download {url} to {path} ({e}): fetch it by hand to that path, or pass "
                          f"--input=PATH") from None
     finally:
@@ -113,14 +118,14 @@ def read_items(path, limit=0):
 
 
 def encode_pair(encode, context, continuation):
-    """(context's tokens, continuation's tokens) as lm-evaluation-harness splits them: the continuation's are those
-    of context + continuation past the context's own count, so that a BPE merges across the join as it would in
-    running text. Spaces that end the context go to the continuation."""
+    """(context's tokens, continuation's tokens) as lm-evaluation-harness splits them: the context's own, and those
+    of context + continuation past their count, so that a BPE merges across the join as it would in running text.
+    Spaces that end the context go to the continuation."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, head = encode(context + continuation), encode(context)
-    return whole[:len(head)], whole[len(head):]
+    return head, whole[len(head):]
 
 
 def rows_of(item, encode, block_size):
@@ -130,6 +135,8 @@ def rows_of(item, encode, block_size):
     rows = []
     for ending in endings:
         head, tail = encode_pair(encode, text, ' ' + ending)
+        if not tail:  # nothing to score (the harness would score it 0, the most likely of all)
+            raise ValueError("an ending with no tokens of its own: the tokenizer merged it into the text's last one")
         if len(tail) > block_size:
             raise ValueError(f"an ending of {len(tail)} tokens, longer than block_size={block_size}")
         rows.append(((head + tail)[-(block_size + 1):], len(tail)))

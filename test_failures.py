@@ -1278,14 +1278,16 @@ def test_a_start_that_fails_leaves_the_earlier_run_in_place(data, tmp_path):
 
 def test_resume_without_a_checkpoint_names_the_one_moved_aside(data, tmp_path):
     # Reference: the folders a scratch run moved the earlier runs into: the resume names the latest one's checkpoint
-    out = tmp_path / 'out'
+    # (in an out_dir whose name holds glob's brackets)
+    out = tmp_path / 'out[1]'
     for folder in ('previous-20250101-120000-a', 'previous-20250102-090000-b'):
         (out / folder).mkdir(parents=True)
         (out / folder / 'ckpt.pt').write_bytes(b'')
     with pytest.raises(train.TrainError) as e:
         train.main(args(data, out, '--init_from=resume'))
     assert str(e.value) == (f"no checkpoint at {out}/ckpt.pt; a scratch run moved an earlier run's aside: to continue "
-                            f"the latest, --out_dir={out}/previous-20250102-090000-b --init_from=resume")
+                            f"the latest, --out_dir={shlex.quote(f'{out}/previous-20250102-090000-b')} "
+                            f"--init_from=resume")
 
 
 def test_two_scratch_restarts_in_the_same_second_keep_both_runs(data, tmp_path, monkeypatch):

@@ -73,16 +73,23 @@ def test_read_items_builds_the_harness_query(tmp_path):
 
 
 def test_encode_pair_splits_as_the_harness():
-    """The ending's tokens are the joint encoding's past the context's own count: with cl100k_base, '123' is one
-    token where '1' and '23' are two, so the ending gets none of its own (encoding it alone would give '23').
-    Spaces that end the context move to the ending."""
+    """The context's tokens are its own; the ending's, the joint encoding's past their count: with cl100k_base, '123'
+    is one token where '1' and '23' are two, so the ending gets none of its own (encoding it alone would give '23',
+    and taking the context's from the joint encoding would give '123'). Spaces that end the context move to the
+    ending."""
     encode = get_tokenizer(dict(tokenizer='cl100k_base'))[0]
-    head, tail = hellaswag.encode_pair(encode, 'Pick 1', '23')
-    assert head + tail == encode('Pick 123') and head == encode('Pick 123')[:len(encode('Pick 1'))]
-    assert tail == []
+    assert len(encode('Pick 123')) == len(encode('Pick 1')) and encode('Pick 123') != encode('Pick 1')
+    assert hellaswag.encode_pair(encode, 'Pick 1', '23') == (encode('Pick 1'), [])
     head, tail = hellaswag.encode_pair(encode, 'The cat sat', ' on the mat.')
     assert head == encode('The cat sat') and tail == encode(' on the mat.')
     assert hellaswag.encode_pair(ENCODE, 'ab  ', 'c') == (ENCODE('ab'), ENCODE('  c'))
+
+
+def test_an_ending_merged_into_the_text_is_left_out():
+    """A tokenizer that makes one token of any text (so text + ending is as many tokens as the text): the ending has
+    none of its own to score, and the item is left out with that reason, not scored 0 (the best of log-likelihoods)."""
+    with pytest.raises(ValueError, match="an ending with no tokens of its own"):
+        hellaswag.rows_of(('A cat:', ['ran.', 'sat.'], 0), lambda text: [len(text) % 7], block_size=16)
 
 
 def test_rows_cut_the_text_and_refuse_an_ending_longer_than_the_block():
@@ -225,7 +232,7 @@ def test_a_download_cut_short_leaves_no_file(tmp_path, monkeypatch):
     """The connection drops after the first chunk: an error naming the URL, and neither the file nor its
     temporary part left behind (a later run downloads again rather than read half a file)."""
     class Dropped:
-        chunks = [b'{"activity_label": "Tea"', OSError('connection reset by peer')]
+        chunks, headers = [b'{"activity_label": "Tea"', OSError('connection reset by peer')], {}
 
         def __enter__(self):
             return self
@@ -243,5 +250,11 @@ def test_a_download_cut_short_leaves_no_file(tmp_path, monkeypatch):
     path = tmp_path / 'hs' / 'val.jsonl'
     with pytest.raises(TrainError, match=f'could not download https://x/val.jsonl to {path} '
                                          r'\(connection reset by peer\)'):
+        hellaswag.download(str(path), 'https://x/val.jsonl')
+    assert os.listdir(tmp_path / 'hs') == []
+    # closed early without an error (http.client returns b'' before Content-Length: "ideally, we would raise"): the
+    # file is refused by its size, not kept as a whole one
+    Dropped.chunks, Dropped.headers = [b'{"activity_label": "Tea"', b''], {'Content-Length': '974074'}
+    with pytest.raises(TrainError, match=r'\(the connection closed after 24 of its 974,074 bytes\)'):
         hellaswag.download(str(path), 'https://x/val.jsonl')
     assert os.listdir(tmp_path / 'hs') == []

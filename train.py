@@ -1396,7 +1396,12 @@ def setup(cfg, argv, device, rank, world):
     r.compiled, r.compile_note = compile_model(r)
     r.wandb = start_wandb(r)
     if cfg.init_from != 'resume':  # last: a start that fails on any check above leaves the earlier run where it was
-        on_master(r, lambda: move_earlier_run(r))
+        try:
+            on_master(r, lambda: move_earlier_run(r))
+        except TrainError:
+            if r.wandb:  # started above: main's finish comes after setup
+                r.wandb.finish(exit_code=1)
+            raise
     return r
 
 
@@ -1416,8 +1421,8 @@ def start_or_resume(r):
         if is_hf(cfg):
             r.init_from = start_from_hf(r)
         return None
-    if not os.path.exists(r.ckpt_path) and (earlier := sorted(glob.glob(os.path.join(cfg.out_dir, 'previous-*',
-                                                                                     'ckpt.pt')))):
+    if not os.path.exists(r.ckpt_path) and (earlier := sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir),
+                                                                                     'previous-*', 'ckpt.pt')))):
         raise TrainError(f"no checkpoint at {r.ckpt_path}; a scratch run moved an earlier run's aside: to continue "
                          f"the latest, --out_dir={shlex.quote(os.path.dirname(earlier[-1]))} --init_from=resume")
     ckpt = load_checkpoint(r.ckpt_path)
