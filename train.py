@@ -106,7 +106,7 @@ data_dir = 'data/shakespeare_char'  # train.bin, val.bin and meta.json from prep
 init_from = 'scratch'           # 'scratch', 'resume' from out_dir/ckpt.pt, or 'hf:PATH': the weights of a
                                 # Hugging Face Llama/Qwen3 directory (model shape from its config.json)
 eval_interval = 250             # evaluate and save a checkpoint every this many iterations
-eval_iters = 50                 # batches per split in each evaluation; 0: the whole val split (see Windows)
+eval_iters = 50                 # batches per split in each evaluation; 0: the whole val split (Windows, below)
 eval_at_start = True            # evaluate at iteration 0 of a new run (scratch or hf:, before any step) too
 log_interval = 10               # iterations between log lines
 wandb_log = False               # also send metrics.jsonl's records to Weights & Biases (process 0)
