@@ -97,7 +97,8 @@ def read_items(path, limit=0):
                 if not isinstance(item, dict):
                     raise TrainError(f"{where}: expected a JSON object, got {type(item).__name__}")
                 if missing := [k for k in ('activity_label', 'ctx_a', 'ctx_b', 'endings', 'label') if k not in item]:
-                    raise TrainError(f"{where} lacks {', '.join(missing)} (the test split has no labels: use val)")
+                    raise TrainError(f"{where} lacks {', '.join(missing)}"
+                                     + (" (the test split has no labels: use val)" if 'label' in missing else ''))
                 endings, label = item['endings'], item['label']
                 if not (isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
                         and all(isinstance(item[k], str) for k in ('activity_label', 'ctx_a', 'ctx_b'))):
@@ -163,8 +164,9 @@ def log_likelihoods(model, rows, vocab_size, device, autocast):
 
 
 def evaluate(model, items, encode, vocab_size, device, autocast, batch_size=8):
-    """{'acc', 'acc_norm', 'acc_se', 'acc_norm_se', 'items', 'left_out'}: the accuracies over the items scored, their
-    standard errors, how many were scored, and [(index, why)] of the items left out."""
+    """{'acc', 'acc_norm', 'acc_se', 'acc_norm_se', 'items', 'left_out', 'chance'}: the accuracies over the items
+    scored, their standard errors, how many were scored, [(index, why)] of the items left out, and the accuracy
+    of a random pick among each item's endings."""
     block_size = model.config.block_size
     correct, correct_norm, left_out, batch = 0, 0, [], []
 
@@ -191,8 +193,10 @@ def evaluate(model, items, encode, vocab_size, device, autocast, batch_size=8):
     if not n:
         raise TrainError(f"none of the {len(items)} items could be scored: item {left_out[0][0]}: {left_out[0][1]}")
     acc, acc_norm = correct / n, correct_norm / n
+    left = {index for index, _ in left_out}
+    chance = sum(1 / len(endings) for i, (_, endings, _) in enumerate(items) if i not in left) / n
     return dict(acc=acc, acc_norm=acc_norm, acc_se=standard_error(acc, n), acc_norm_se=standard_error(acc_norm, n),
-                items=n, left_out=left_out)
+                items=n, left_out=left_out, chance=chance)
 
 
 def standard_error(p, n):
@@ -226,7 +230,7 @@ def main(argv):
                          f"lower batch_size") from None
     iteration = f", iteration {ckpt['iter_num']}" if 'iter_num' in ckpt else ''
     print(f"hellaswag: acc {r['acc']:.4f} ± {r['acc_se']:.4f}, acc_norm {r['acc_norm']:.4f} ± {r['acc_norm_se']:.4f} "
-          f"over {r['items']:,} items of {path} ({ckpt_path}{iteration}, {dtype}; chance 0.25)")
+          f"over {r['items']:,} items of {path} ({ckpt_path}{iteration}, {dtype}; chance {r['chance']:.2f})")
     if r['left_out']:
         index, why = r['left_out'][0]
         print(f"hellaswag: {len(r['left_out']):,} of {len(items):,} items left out, not scored (the first, item "

@@ -131,7 +131,8 @@ def test_accuracies_against_the_reference():
         want_norm = sum(label == bn for label, bn in zip(labels, best_norm)) / len(items)
         for batch_size in (1, 3, 8):
             r = hellaswag.evaluate(model, items, ENCODE, META['vocab_size'], 'cpu', nullcontext(), batch_size)
-            assert (r['acc'], r['acc_norm'], r['items'], r['left_out']) == (want_acc, want_norm, 5, [])
+            assert (r['acc'], r['acc_norm'], r['items'], r['left_out'], r['chance']) == (want_acc, want_norm, 5, [],
+                                                                                         0.25)
             assert 0 < min(want_acc, want_norm) < 1  # a standard error that depends on the count
             assert (r['acc_se'], r['acc_norm_se']) == pytest.approx([(p * (1 - p) / 4) ** 0.5
                                                                      for p in (want_acc, want_norm)])
@@ -170,7 +171,8 @@ def test_main_scores_a_checkpoint_and_names_the_items_left_out(tmp_path, checkpo
         want.append(max(range(4), key=lambda j: lls[j]) == label)
     assert r['acc'] == sum(want) / 2 and r['items'] == 2
     out = capsys.readouterr().out
-    assert f"acc {r['acc']:.4f} ± " in out and f"over 2 items of {path} ({out_dir}/ckpt.pt, iteration 7, float32" in out
+    assert f"acc {r['acc']:.4f} ± " in out
+    assert f"over 2 items of {path} ({out_dir}/ckpt.pt, iteration 7, float32; chance 0.25)" in out
     assert ("1 of 3 items left out, not scored (the first, item 1: characters not in the dataset's vocabulary: "
             "'%05'") in out
 
@@ -180,6 +182,7 @@ def test_main_scores_a_checkpoint_and_names_the_items_left_out(tmp_path, checkpo
     ('[1, 2]', 'line 2: expected a JSON object, got list'),
     ('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x", "y"]}',
      'line 2 lacks label (the test split'),
+    ('{"activity_label": "a", "ctx_b": "c", "endings": ["x", "y"], "label": 0}', 'line 2 lacks ctx_a$'),
     ('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x", "y"], "label": 2}',
      "line 2: label 2 is not the index of one of its 2 endings"),
     ('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": "xy", "label": 0}', 'line 2: expected text in'),
@@ -222,7 +225,8 @@ def test_the_default_input_is_downloaded_once_and_a_failed_download_leaves_nothi
         hellaswag.main([f'--out_dir={out_dir}'])
     assert os.listdir(work / 'data/hellaswag') == []  # no partial file
     monkeypatch.setattr(hellaswag, 'URL', f'file://{source}')
-    assert hellaswag.main([f'--out_dir={out_dir}'])['items'] == 1
+    r = hellaswag.main([f'--out_dir={out_dir}'])
+    assert r['items'] == 1 and r['chance'] == 0.5  # two endings
     assert (work / hellaswag.DEFAULT_INPUT).read_text() == open(source).read()
     monkeypatch.setattr(hellaswag, 'URL', f'file://{tmp_path}/missing.jsonl')  # not fetched again
     assert hellaswag.main([f'--out_dir={out_dir}'])['items'] == 1

@@ -1346,7 +1346,7 @@ def setup(cfg, argv, device, rank, world):
                           f"use parallelism='ddp' or optimizer='adamw'")
     unmet = [f"{need}, not {have}" for need, have, met in (
         ("optimizer='adamw'", f"optimizer={cfg.optimizer!r}", cfg.optimizer == 'adamw'),
-        ("one process", f"{world}", world == 1), ("a CUDA GPU", f"device {device}", device_type == 'cuda'),
+        ("one process", f"{world} processes", world == 1), ("a CUDA GPU", f"device {device}", device_type == 'cuda'),
         ("bfloat16 or float32", r.dtype, r.dtype != 'float16'),
         ("grad_clip=0 (the gradients are copied to the CPU during the backward pass, before they could be clipped)",
          f"grad_clip={cfg.grad_clip}", cfg.grad_clip == 0)) if not met]
