@@ -16,8 +16,9 @@ it gives for other models:
   tokens, the text's first tokens are cut;
 - acc: the ending with the highest sum; acc_norm: the highest sum per character of the ending.
 The log-probabilities are over the data's vocabulary (meta.json's vocab_size: the ids a padded vocabulary adds are
-masked). An item the tokenizer cannot encode (a character-level vocabulary lacks one of its characters) or whose
-ending alone is longer than block_size tokens is left out, and the result says how many and why. The result line
+masked). An item the tokenizer cannot encode (a character-level vocabulary lacks one of its characters), or with an
+ending longer than block_size tokens or with none of its own (rows_of), is left out, and the result says how many
+and why. The result line
 gives each accuracy with its standard error (over the items, as lm-evaluation-harness gives it).
 """
 import http.client
