@@ -18,8 +18,8 @@ it gives for other models:
 The log-probabilities are over the data's vocabulary (meta.json's vocab_size: the ids a padded vocabulary adds are
 masked). An item the tokenizer cannot encode (a character-level vocabulary lacks one of its characters), or with an
 ending longer than block_size tokens or with none of its own (rows_of), is left out, and the result says how many
-and why. The result line
-gives each accuracy with its standard error (over the items, as lm-evaluation-harness gives it).
+and why. The result line gives each accuracy with its standard error (over the items, as lm-evaluation-harness
+gives it) and the accuracy of a random pick.
 """
 import http.client
 import json
