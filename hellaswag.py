@@ -169,13 +169,14 @@ def evaluate(model, items, encode, vocab_size, device, autocast, batch_size=8):
     scored, their standard errors, how many were scored, [(index, why)] of the items left out, and the accuracy
     of a random pick among each item's endings."""
     block_size = model.config.block_size
-    correct, correct_norm, left_out, batch = 0, 0, [], []
+    correct, correct_norm, chance, left_out, batch = 0, 0, 0.0, [], []
 
     def score(batch):
-        nonlocal correct, correct_norm
+        nonlocal correct, correct_norm, chance
         sums = log_likelihoods(model, [row for _, rows in batch for row in rows], vocab_size, device, autocast)
         for (text, endings, label), _ in batch:
             lls, sums = sums[:len(endings)], sums[len(endings):]
+            chance += 1 / len(endings)
             correct += max(range(len(endings)), key=lambda j: lls[j]) == label
             correct_norm += max(range(len(endings)), key=lambda j: lls[j] / max(len(endings[j]), 1)) == label
 
@@ -194,10 +195,8 @@ def evaluate(model, items, encode, vocab_size, device, autocast, batch_size=8):
     if not n:
         raise TrainError(f"none of the {len(items)} items could be scored: item {left_out[0][0]}: {left_out[0][1]}")
     acc, acc_norm = correct / n, correct_norm / n
-    left = {index for index, _ in left_out}
-    chance = sum(1 / len(endings) for i, (_, endings, _) in enumerate(items) if i not in left) / n
     return dict(acc=acc, acc_norm=acc_norm, acc_se=standard_error(acc, n), acc_norm_se=standard_error(acc_norm, n),
-                items=n, left_out=left_out, chance=chance)
+                items=n, left_out=left_out, chance=chance / n)
 
 
 def standard_error(p, n):
