@@ -531,7 +531,7 @@ def token_bytes(meta):
     else:
         try:
             enc = load_bpe(name)
-        except ValueError as e:  # without load_bpe's advice on what to prepare offline
+        except ValueError as e:  # the cause alone: bits per byte are left out with it as their one-line reason
             raise ValueError(f"tokenizer '{name}' could not be loaded ({type(e.__cause__).__name__}: "
                              f"{e.__cause__})") from None
         for i in range(min(enc.n_vocab, len(out))):
