@@ -8,7 +8,8 @@ into another (rows [gate, up]).
     python export.py --out_dir=out-small --ckpt=best.pt --dtype=bfloat16       # to out-small/hf
 
 The export directory loads with transformers.AutoModelForCausalLM.from_pretrained (no code of ours):
-config.json, model.safetensors (the safetensors library), generation_config.json, and the tokenizer where
+config.json, model.safetensors (the safetensors library), generation_config.json (eos, and as suppress_tokens
+the padding ids past the data's vocabulary, which sample.py never samples either), and the tokenizer where
 transformers can express it: tokenizer.json and tokenizer_config.json for tiktoken BPE (gpt2, cl100k_base,
 converted here) and for a Hugging Face tokenizer the data was prepared with (copied from the checkpoint's
 meta, with its chat_template.jinja where it had one). A character-level vocabulary has no transformers
@@ -357,8 +358,11 @@ def write_export(hf_dir, ckpt_path, ckpt, c, meta, config, tensors, dtype):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(weights, 0o666 & ~umask)  # save_file leaves its file readable by its owner alone (0600)
-        for name, content in (('config.json', config),
-                              ('generation_config.json', dict(bos_token_id=None, eos_token_id=config['eos_token_id']))):
+        generation = dict(bos_token_id=None, eos_token_id=config['eos_token_id'])
+        if meta['vocab_size'] < c.vocab_size:  # the padding ids past the data's vocabulary, which no tokenizer
+            # decodes: never generated, as sample.py's vocab_limit ensures for our own model
+            generation['suppress_tokens'] = list(range(meta['vocab_size'], c.vocab_size))
+        for name, content in (('config.json', config), ('generation_config.json', generation)):
             with open(os.path.join(stage, name), 'w') as f:
                 json.dump(content, f, indent=1)
         lines = [f"wrote {hf_dir}: {config['architectures'][0]}, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M "

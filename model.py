@@ -578,8 +578,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, vocab_limit=Non
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be at least 1 (None: off)")
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature} must be at least 0 (0: greedy)")
+    if not 0 <= temperature < math.inf:  # inf would divide the masked -inf logits into NaN
+        raise ValueError(f"temperature={temperature} must be at least 0 (0: greedy) and finite")
     if vocab_limit is not None and vocab_limit < 1:
         raise ValueError(f"vocab_limit={vocab_limit} must be at least 1 (None: every id)")
     if vocab_limit is not None:

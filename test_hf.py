@@ -774,7 +774,35 @@ def assert_same_as_transformers(ours, hf_dir, arch):
         torch.testing.assert_close(ours(ids)[0], expected, rtol=0, atol=1e-5)
     greedy = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                              pad_token_id=0)
-    assert torch.equal(ours.generate(ids, 32, temperature=0), greedy)  # token for token, 32 of them
+    # token for token, 32 of them; the ids past the data's vocabulary (padding) never, as with sample.py's vocab_limit
+    assert torch.equal(ours.generate(ids, 32, temperature=0, vocab_limit=CHAR_META['vocab_size']), greedy)
+
+
+@pytest.mark.parametrize('data_vocab', [100, 128])
+def test_an_export_never_generates_the_padding_ids(tmp_path, data_vocab):
+    # Reference: the data's vocabulary. A model's vocab_size is the data's rounded up to a multiple of 64; the ids
+    # past the data's have no token, so sample.py never samples them (vocab_limit). Before, generation_config.json
+    # did not name them, and transformers' generate() sampled them from an export (here, head rows made to dominate;
+    # an early checkpoint gives them about their share of the ids, 28 in 128)
+    meta = dict(CHAR_META, vocab_size=data_vocab, chars=CHAR_META['chars'] + ''.join(map(chr, range(0x200, 0x21c))))
+    meta['chars'] = meta['chars'][:data_vocab]
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=3, meta=meta, tie_embeddings=False)
+    with torch.no_grad():
+        ours.lm_head.weight[100:] *= 30
+        train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': ours.state_dict(), 'meta': meta,
+                                                          'model_args': ours.config.to_dict()})
+    export.main([f'--out_dir={tmp_path}'])
+    generation = json.loads((tmp_path / 'hf' / 'generation_config.json').read_text())
+    theirs, ids = hf_model(tmp_path / 'hf'), torch.randint(100, (8, 4), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=True, top_k=0, pad_token_id=0)
+    new = theirs.generate(ids, **args)[:, 4:]
+    assert (new >= 100).any() == (data_vocab == 128)  # only where the ids are the data's own
+    if data_vocab == 128:
+        assert 'suppress_tokens' not in generation
+    else:
+        assert generation['suppress_tokens'] == list(range(100, 128))
+        assert (theirs.generate(ids, **args, suppress_tokens=None)[:, 4:] >= 100).float().mean() > 0.5  # without
 
 
 @pytest.mark.parametrize('name', list(EXPORTS))

@@ -1744,11 +1744,13 @@ def test_ignored_targets_count_in_neither_loss(monkeypatch, label_smoothing):
                                              (dict(top_k=-1), 'top_k=-1 must be at least 1'),
                                              (dict(temperature=-1.0), 'temperature=-1.0 must be at least 0'),
                                              (dict(temperature=float('nan')), 'temperature=nan must be at least 0'),
+                                             (dict(temperature=float('inf'), vocab_limit=5), 'temperature=inf must be'),
                                              (dict(vocab_limit=0), 'vocab_limit=0 must be at least 1'),
                                              (dict(top_p=0.0), 'top_p=0.0 must be in (0, 1]')])
 def test_sampling_settings_out_of_range_are_errors_naming_them(kwargs, message):
     # Reference: the messages of sample_next's checks; without them, top_k=0 was a shape error from deep in
-    # torch, a negative temperature sampled from the inverted distribution and vocab_limit=0 a NaN error
+    # torch, a negative temperature sampled from the inverted distribution, vocab_limit=0 a NaN error and an
+    # infinite temperature with vocab_limit too (the masked ids' -inf / inf)
     logits = torch.randn(2, 10)
     with pytest.raises(ValueError, match=re.escape(message)):
         sample_next(logits, **{'temperature': 1.0, **kwargs})
