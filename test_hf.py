@@ -648,7 +648,9 @@ def test_hf_token_bytes_add_up_to_the_utf8_bytes_of_each_split(tok_dir, tmp_path
     assert {tok.token_to_id(t) for t in ('<|im_start|>', 'żółw')} <= set(train_ids)
     data = ''.join(texts).encode()
     cut = data.index(b'\n', int(0.9 * len(data))) + 1
-    assert (table[train_ids].sum(), table[val_ids].sum()) == (cut, len(data) - cut)
+    eos = tok.id_to_token(meta['eot_token']).encode()  # written in the text (README.md names it), none either
+    assert (table[train_ids].sum(), table[val_ids].sum()) == (cut - len(eos) * data[:cut].count(eos),
+                                                              len(data) - cut - len(eos) * data[cut:].count(eos))
     assert table[meta['eot_token']] == 0 and table[tok.token_to_id('<|im_start|>')] == 12
     spec = json.loads(meta['tokenizer_json'])
     spec['decoder'] = {'type': 'Sequence', 'decoders': [spec['decoder']]}  # byte-level within a sequence
@@ -1147,6 +1149,27 @@ def test_export_copies_the_hf_tokenizer(finetune, tok_dir, tmp_path):
     ids = torch.randint(V, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(ids)[0], theirs(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_bpe_trained_by_prepare_data_exports_as_a_transformers_tokenizer(tmp_path):
+    # Reference: the ids of prepare_data's own encoding (get_tokenizer) of text the BPE was not trained on, and its
+    # decoding. prepare_data.py --tokenizer=bpe:N writes tokenizer.json and tokenizer_config.json, which the export
+    # copies: transformers reads them as a tokenizer with <|endoftext|> for its eos, the same ids both ways
+    path = tmp_path / 'a.txt'
+    path.write_text(''.join(corpus()))
+    meta = prepare_data.prepare(str(path), 'bpe:700', str(tmp_path / 'data'), 0.1)
+    model = GPT(GPTConfig(block_size=48, vocab_size=704, n_layer=1, n_head=2, n_embd=32))  # 700 rounded up
+    train.save_checkpoint(str(tmp_path / 'ckpt.pt'), {'model': model.state_dict(), 'model_args': model.config.to_dict(),
+                                                      'meta': meta})
+    export.main([f'--out_dir={tmp_path}'])
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
+    encode, decode = prepare_data.get_tokenizer(meta)
+    text = 'Unseen words: naïve façade, 日本語, 1024 tokens <|endoftext|> and  two spaces\n\n\tend'
+    ids = encode(text)
+    assert tok.encode(text, add_special_tokens=False) == ids and tok.decode(ids) == decode(ids) == text
+    assert (tok.eos_token, tok.eos_token_id) == ('<|endoftext|>', 0)
+    generation = json.loads((tmp_path / 'hf' / 'generation_config.json').read_text())
+    assert generation['suppress_tokens'] == [700, 701, 702, 703]
 
 
 def test_a_chat_template_kept_apart_travels_from_the_model_directory_to_the_export(tok_dir, tmp_path):

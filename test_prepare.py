@@ -286,23 +286,100 @@ def test_token_bytes_of_a_bpe_that_cannot_be_loaded_is_a_value_error_with_the_ca
 
 
 # -----------------------------------------------------------------------------
+# bpe:N, a byte-level BPE trained on the train split
+
+
+def bpe_of(text, vocab_size):
+    """The reference: the `tokenizers` library's BPE trainer run on `text` whole, with GPT-2's byte-level
+    pre-tokenizer; its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=['<|endoftext|>'],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok.get_vocab()
+
+
+@pytest.mark.parametrize('chunk_bytes', [None, 300])
+def test_bpe_is_trained_on_the_train_split_alone_and_encodes_the_text_exactly(tmp_path, monkeypatch, chunk_bytes):
+    # Reference: the `tokenizers` trainer run here on the train split's text whole (a word only the val split has,
+    # 'zqxv', is a token of the vocabulary trained on all the text, never of ours: the model's val loss stays a
+    # measure of text neither has seen), the input's text and its UTF-8 bytes on each side of the spec's split
+    pytest.importorskip('tokenizers')
+    rng = random.Random(0)
+    words = [''.join(rng.choice('abcdefghijklmnoprstuwy') for _ in range(rng.randint(2, 8))) for _ in range(300)]
+    prose = ''.join(rng.choice(words) + rng.choice(' ' * 9 + '\n') for _ in range(5000))  # pairs to merge past 600
+    texts = [random_text(0, 1500) + prose, random_text(1, 800) + 'zqxv zqxv zqxv\n' * 100]
+    paths = [write(tmp_path / f'{i}.txt', t) for i, t in enumerate(texts)]
+    if chunk_bytes:  # the trainer is fed the read's pieces, cut where the pre-tokenizer splits anyway
+        monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', chunk_bytes)
+    out = tmp_path / 'out'
+    meta = prepare(','.join(paths), 'bpe:600', str(out), 0.2)
+    data = ''.join(texts).encode()
+    cut = expected_split(data, 0.2)
+    assert data[:cut].count(b'zqxv') == 0 < data[cut:].count(b'zqxv')
+    vocab = json.loads(meta['tokenizer_json'])['model']['vocab']
+    assert vocab == bpe_of(data[:cut].decode(), 600) and len(vocab) == meta['vocab_size'] == 600
+    assert any('zqxv' in t for t in bpe_of(data.decode(), 600))  # what training on val too would have learned
+    # then an hf: tokenizer in data_dir like any other: its files, meta's copies of them, <|endoftext|> at id 0
+    assert meta['tokenizer'] == f'hf:{out}' and meta['trained'] == 'bpe:600' and meta['eot_token'] == 0
+    assert (out / 'tokenizer.json').read_text() == meta['tokenizer_json']
+    assert json.loads((out / 'tokenizer_config.json').read_text())['eos_token'] == '<|endoftext|>'
+    meta, train, val = load(out)
+    assert sum(map(len, (train, val))) < len(data) / 2  # merges learned: under half a token per byte
+    _, decode = get_tokenizer(meta)
+    assert decode(train.tolist()) + decode(val.tolist()) == texts[0] + '<|endoftext|>' + texts[1] + '<|endoftext|>'
+    from tokenizers import Tokenizer  # the ids: each file's text encoded whole, cut at the split, an eot after each
+    tok, first = Tokenizer.from_file(str(out / 'tokenizer.json')), texts[0].encode()
+    enc = [tok.encode(t, add_special_tokens=False).ids for t in (first[:cut].decode(), first[cut:].decode(), texts[1])]
+    assert cut < len(first) and (train.tolist(), val.tolist()) == (enc[0], enc[1] + [0] + enc[2] + [0])
+    table = prepare_data.token_bytes(meta)  # bits per byte: each token's bytes known, the eot's 0 (also where the
+    eot = b'<|endoftext|>'  # text holds it: as an hf: tokenizer's special tokens, read from the text as their ids)
+    assert (table[train].sum(), table[val].sum()) == (cut - len(eot) * data[:cut].count(eot),
+                                                      len(data) - cut - len(eot) * data[cut:].count(eot))
+    # another corpus encoded with it (--tokenizer=hf:DATA_DIR): the same vocabulary to train.py, the same ids
+    again = prepare(','.join(paths), f'hf:{out}', str(tmp_path / 'again'), 0.2)
+    assert prepare_data.vocabulary(again) == prepare_data.vocabulary(meta) and again['eot_token'] == 0
+    for name in ('train.bin', 'val.bin'):
+        assert (tmp_path / 'again' / name).read_bytes() == (out / name).read_bytes()
+
+
+@pytest.mark.parametrize('setting', ['bpe:', 'bpe:256', 'bpe:0', 'bpe:-300', 'bpe:8k', 'bpe:16777217'])
+def test_bpe_vocabulary_size_out_of_range_is_an_error_naming_it(tmp_path, setting):
+    # Reference: the message and the bounds: 257 ids are the 256 bytes and <|endoftext|>, with no merge
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main([f'--input={path}', f'--tokenizer={setting}', f'--data_dir={tmp_path / "out"}'])
+    assert str(e.value.code) == (f"prepare_data.py: error: tokenizer '{setting}': bpe:N takes a vocabulary size N "
+                                 f"from 257 (the 256 bytes and <|endoftext|>, no merges) to 16,777,216, e.g. bpe:8192")
+    assert not (tmp_path / 'out').exists()
+    assert prepare(path, 'bpe:257', str(tmp_path / 'out'), 0.1)['vocab_size'] == 257
+
+
+# -----------------------------------------------------------------------------
 # inputs, outputs, errors
 
 
-@pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base'])
+@pytest.mark.parametrize('tokenizer', ['char', 'cl100k_base', 'bpe:500'])
 def test_deterministic(tmp_path, tokenizer):
     # Reference: the files of one run. Two processes, with other string hashes (set and dict orders) and other
-    # numbers of threads, write the same bytes.
-    if tokenizer != 'char':
+    # numbers of threads (tiktoken's; the `tokenizers` library's, which trains bpe:N), write the same bytes.
+    if tokenizer == 'cl100k_base':
         cl100k_offline()
     path = write(tmp_path / 'a.txt', random_text(2, 3000))
     for out, seed, threads in (('one', '1', 1), ('two', '2', 2)):
         run = subprocess.run([sys.executable, os.path.join(HERE, 'prepare_data.py'), f'--input={path}',
                               f'--tokenizer={tokenizer}', f'--data_dir={tmp_path / out}', f'--threads={threads}'],
-                             env={**os.environ, 'PYTHONHASHSEED': seed}, capture_output=True, text=True, timeout=120)
+                             env={**os.environ, 'PYTHONHASHSEED': seed, 'RAYON_NUM_THREADS': str(threads)},
+                             capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
-    for name in prepare_data.OUTPUTS:
-        assert (tmp_path / 'one' / name).read_bytes() == (tmp_path / 'two' / name).read_bytes()
+    names = prepare_data.OUTPUTS + (prepare_data.BPE_FILES if tokenizer.startswith('bpe:') else ())
+    assert sorted(os.listdir(tmp_path / 'one')) == sorted(names)
+    for name in names:
+        one, two = ((tmp_path / out / name).read_bytes() for out in ('one', 'two'))
+        if name == 'meta.json' and tokenizer.startswith('bpe:'):  # its tokenizer, hf:DATA_DIR, names each data_dir
+            one, two = one.replace(b'/one"', b'/two"'), two.replace(b'/two"', b'/two"')
+        assert one == two, name
 
 
 def test_directories_and_globs(tmp_path):
@@ -472,7 +549,8 @@ def test_data_dir_that_cannot_be_written_is_an_error_before_the_input_is_read(tm
 
 
 @pytest.mark.parametrize('fault, name', [('write-ENOSPC', 'train.bin'), ('write-ENOSPC', 'val.bin'),
-                                         ('write-ENOSPC', 'meta.json'), ('replace-EACCES', 'train.bin')])
+                                         ('write-ENOSPC', 'meta.json'), ('replace-EACCES', 'train.bin'),
+                                         ('write-ENOSPC', 'tokenizer.json'), ('replace-EACCES', 'tokenizer.json')])
 def test_write_error_names_the_file_and_leaves_no_complete_looking_dataset(tmp_path, monkeypatch, fault, name):
     # Reference: the path of the file that fails and the OS's reason, the old dataset's bytes. The data_dir check
     # passes, then writing train.bin, val.bin or meta.json (or renaming train.bin into place) fails: one line naming
@@ -489,8 +567,9 @@ def test_write_error_names_the_file_and_leaves_no_complete_looking_dataset(tmp_p
     else:
         fail_for(monkeypatch, 'replace', lambda p: p == tmp, errno.EACCES)
         reason = 'Permission denied'
+    bpe = ['--tokenizer=bpe:300'] if name == 'tokenizer.json' else []  # bpe:N's files, moved in before the others
     with pytest.raises(SystemExit) as e:
-        prepare_data.main([f'--input={new}', f'--data_dir={out}'])
+        prepare_data.main([f'--input={new}', f'--data_dir={out}', *bpe])
     monkeypatch.undo()
     msg = str(e.value.code)
     assert msg == f'prepare_data.py: error: {tmp}: {reason}', msg
