@@ -479,20 +479,25 @@ def test_isolated_nan_steps_are_skipped_and_the_run_finishes(data, tmp_path, mon
     logged = [r['iter'] for r in read_metrics(out) if 'loss' in r]
     assert logged == [i for i in range(1, 10) if i not in bad_steps]
     # the log lines count the skipped steps so far: 1 after step 3, 3 after steps 6 and 7
-    said = {int(m[0]): int(m[1]) for m in re.findall(r'^iter (\d+): loss .*, (\d+) steps skipped$',
-                                                      capsys.readouterr().out, re.M)}
+    printed = capsys.readouterr()
+    said = {int(m[0]): int(m[1]) for m in re.findall(r'^iter (\d+): loss .*, (\d+) steps skipped$', printed.out, re.M)}
     assert said == {4: 1, 5: 1, 8: 3, 9: 3}, said
     assert all(math.isfinite(r[k]) for r in read_metrics(out) for k in ('loss', 'val_loss') if k in r)
+    # each skip named on stderr by what was not finite: the loss (its gradients NaN too, so the norm)
+    skipped = re.findall(r'^iter (\d+): non-finite (.*): step skipped \((\d+) in a row\)$', printed.err, re.M)
+    assert skipped == [(str(i), 'loss nan and gradient norm nan', n) for i, n in ((3, '1'), (6, '1'), (7, '2'))]
 
 
-def test_infinite_gradient_with_finite_loss_is_skipped(data, tmp_path, monkeypatch):
-    # The loss of step 4 is finite, its gradient infinite: the norm guard, not the loss guard, must act.
+def test_infinite_gradient_with_finite_loss_is_skipped(data, tmp_path, monkeypatch, capsys):
+    # The loss of step 4 is finite, its gradient infinite: the norm guard, not the loss guard, must act, and the
+    # message names the norm alone (it said 'non-finite loss 4.17 or gradient norm nan')
     poison_forward(monkeypatch, {3}, kind='infgrad')
     steps = record_steps(monkeypatch)
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=10', '--max_iters=6')) == 0
     s = steps[3]
     assert math.isfinite(s['loss']) and not math.isfinite(s['norm'])
+    assert 'iter 4: non-finite gradient norm nan: step skipped (1 in a row)\n' in capsys.readouterr().err
     assert not s['ok']
     assert_same(s['before'], s['after'], 'params around the inf-gradient step')
     assert_same(s['opt_before'], s['opt_after'], 'optimizer around the inf-gradient step')
@@ -943,10 +948,22 @@ def test_resume_of_a_finished_run_says_there_is_nothing_to_train(data, tmp_path,
     before = run_files(out)
     capsys.readouterr()
     assert train.main(args(data, out, '--eval_interval=2', f'--max_iters={max_iters}', '--init_from=resume')) == 0
-    stdout = capsys.readouterr().out
+    printed = capsys.readouterr()
     assert (f"nothing to train: max_iters={max_iters}, and the checkpoint is at iteration 4; a max_iters above 4 "
-            f"trains on\n") in stdout, stdout
+            f"trains on\n") in printed.out, printed.out
     assert run_files(out) == before
+    assert 'warning' not in printed.err  # not the schedule's: at max_iters=2, that the rate only warms up
+
+
+def test_reduce_overhead_off_cuda_is_a_warning(data, tmp_path, monkeypatch, capsys):
+    # Reference: what the mode does: it records CUDA graphs, which no other device has, so elsewhere it compiles as
+    # the default mode does; the run says so, as of any setting without effect (compile itself is not needed here)
+    monkeypatch.setattr(train, 'compile_model', lambda r: (r.wrapped, f'on (mode {r.cfg.compile_mode})'))
+    for mode, warned in (('reduce-overhead', True), ('max-autotune', False)):  # CPU GEMM templates: it tunes
+        assert train.main(args(data, tmp_path / mode, '--max_iters=3', '--compile=True', f'--compile_mode={mode}')) == 0
+        warnings = re.findall(r'^warning: (.*)$', capsys.readouterr().err, re.M)
+        assert warnings == (["compile_mode='reduce-overhead' has no effect on cpu: it records CUDA graphs, which only "
+                             "CUDA has, so this run compiles as compile_mode='default' does"] if warned else [])
 
 
 def test_resume_counts_the_tokens_each_iteration_took(data, tmp_path):

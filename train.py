@@ -1169,12 +1169,12 @@ APPLIES_ONLY = {'muon_split': ('optimizer', 'muon'), 'muon_ns_steps': ('optimize
                 'wandb_run_name': ('wandb_log', True)}
 
 
-def setting_warnings(cfg, world):
+def setting_warnings(cfg, world, trains=True):
     """Warnings for the APPLIES_ONLY settings that are set but not read in this run (zero_init_proj too, under
     init_from=hf:; parallelism where the run's `world` is one process), for a learning-rate schedule cut short (no
-    decay, or not to its end), for a new run that neither trains nor evaluates, for max-autotune under
-    deterministic, for half of the short-block pair set without the other, and for short blocks that last the whole
-    run."""
+    decay, or not to its end; not where the run `trains` no step: a resume at or past max_iters), for a new run
+    that neither trains nor evaluates, for max-autotune under deterministic, for half of the short-block pair set
+    without the other, and for short blocks that last the whole run."""
     warnings = [f"{key}={getattr(cfg, key)!r} has no effect: it applies to {other}={choice!r}, and this run has "
                 f"{other}={getattr(cfg, other)!r}" for key, (other, choice) in APPLIES_ONLY.items()
                 if getattr(cfg, key) != DEFAULTS[key] and getattr(cfg, other) != choice]
@@ -1185,7 +1185,9 @@ def setting_warnings(cfg, world):
         warnings.append(f"parallelism={cfg.parallelism!r} has no effect: one process runs the whole model; it applies "
                         f"under torchrun, with more than one process")
     # a schedule cut short (a quick try of a long run's config) trains at a rate its config never meant
-    if cfg.warmup_iters >= cfg.max_iters > 0:
+    if not trains:  # a resume with no step left to take: its schedule is moot
+        pass
+    elif cfg.warmup_iters >= cfg.max_iters > 0:
         warnings.append(f"warmup_iters={cfg.warmup_iters} is at least max_iters={cfg.max_iters}: the learning rate "
                         f"only warms up, to {get_lr(cfg.max_iters - 1, cfg):.2e} at the last step "
                         f"(learning_rate={cfg.learning_rate:.2e}), and never decays")
@@ -1847,7 +1849,11 @@ def report(r):
     say(f"  residual stream   {residual}")
     say(f"  pinned memory     {'on' if cuda else 'off (CUDA only)'}")
     # setting_warnings, and autocast_residual's, which needs the run's dtype (dtype='auto' is resolved at setup)
-    warnings = setting_warnings(cfg, r.world) + ([residual_warning] if residual_warning else [])
+    warnings = setting_warnings(cfg, r.world, trains=r.iter_num < cfg.max_iters)
+    warnings += [residual_warning] if residual_warning else []
+    if cfg.compile and cfg.compile_mode == 'reduce-overhead' and not cuda:
+        warnings.append(f"compile_mode='reduce-overhead' has no effect on {r.device_type}: it records CUDA graphs, "
+                        f"which only CUDA has, so this run compiles as compile_mode='default' does")
     for warning in warnings:
         say(f"warning: {warning}", file=sys.stderr)
 
@@ -2003,7 +2009,10 @@ def train_loop(r):
             bad_steps = 0 if ok else bad_steps + 1
             if not ok:
                 skipped += 1
-                say(f"iter {r.iter_num}: non-finite loss {loss.item()} or gradient norm {norm.item()}: "
+                loss, norm = loss.item(), norm.item()
+                bad = ' and '.join(f"{name} {value}" for name, value in (('loss', loss), ('gradient norm', norm))
+                                   if not math.isfinite(value))  # else fp16's GradScaler found the overflow
+                say(f"iter {r.iter_num}: non-finite {bad or f'gradients (loss {loss}, gradient norm {norm})'}: "
                     f"step skipped ({bad_steps} in a row)", file=sys.stderr)
                 if bad_steps >= cfg.max_nonfinite_steps:
                     raise TrainError(f"iteration {r.iter_num}: {bad_steps} consecutive steps with a non-finite loss "
