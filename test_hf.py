@@ -1168,6 +1168,7 @@ def test_a_bpe_trained_by_prepare_data_exports_as_a_transformers_tokenizer(tmp_p
     ids = encode(text)
     assert tok.encode(text, add_special_tokens=False) == ids and tok.decode(ids) == decode(ids) == text
     assert (tok.eos_token, tok.eos_token_id) == ('<|endoftext|>', 0)
+    assert tok.model_max_length == 48  # the model's block_size, as for a tiktoken export (unknown when it was trained)
     generation = json.loads((tmp_path / 'hf' / 'generation_config.json').read_text())
     assert generation['suppress_tokens'] == [700, 701, 702, 703]
 

@@ -7,6 +7,7 @@ Python's own sorted character set, tiktoken's encode_ordinary of the whole file,
 import errno
 import glob
 import gzip
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -290,13 +291,15 @@ def test_token_bytes_of_a_bpe_that_cannot_be_loaded_is_a_value_error_with_the_ca
 
 
 def bpe_of(text, vocab_size):
-    """The reference: the `tokenizers` library's BPE trainer run on `text` whole, with GPT-2's byte-level
+    """The reference: the `tokenizers` library's BPE trainer run on `text` whole (but for <|endoftext|> written in
+    it: the encoder reads that as its token, so it is no text to learn merges from), with GPT-2's byte-level
     pre-tokenizer; its vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=['<|endoftext|>'],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=['<|endoftext|>'],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text.split('<|endoftext|>'), trainer)
     return tok.get_vocab()
 
 
@@ -320,11 +323,15 @@ def test_bpe_is_trained_on_the_train_split_alone_and_encodes_the_text_exactly(tm
     assert data[:cut].count(b'zqxv') == 0 < data[cut:].count(b'zqxv')
     vocab = json.loads(meta['tokenizer_json'])['model']['vocab']
     assert vocab == bpe_of(data[:cut].decode(), 600) and len(vocab) == meta['vocab_size'] == 600
+    assert data[:cut].count(b'<|endoftext|>') > 10  # learned from: none of its pieces, only itself (id 0)
+    assert [t for t in vocab if 'oftext' in t or '|>' in t] == ['<|endoftext|>'] and vocab['<|endoftext|>'] == 0
     assert any('zqxv' in t for t in bpe_of(data.decode(), 600))  # what training on val too would have learned
     # then an hf: tokenizer in data_dir like any other: its files, meta's copies of them, <|endoftext|> at id 0
-    assert meta['tokenizer'] == f'hf:{out}' and meta['trained'] == 'bpe:600' and meta['eot_token'] == 0
+    assert meta['tokenizer'] == f'hf:{out}' and meta['eot_token'] == 0
     assert (out / 'tokenizer.json').read_text() == meta['tokenizer_json']
-    assert json.loads((out / 'tokenizer_config.json').read_text())['eos_token'] == '<|endoftext|>'
+    assert (out / 'tokenizer_config.json').read_text() == meta['tokenizer_config']
+    config = json.loads(meta['tokenizer_config'])
+    assert (config['eos_token'], config['trained_by']) == ('<|endoftext|>', 'prepare_data.py --tokenizer=bpe:600')
     meta, train, val = load(out)
     assert sum(map(len, (train, val))) < len(data) / 2  # merges learned: under half a token per byte
     _, decode = get_tokenizer(meta)
@@ -344,9 +351,10 @@ def test_bpe_is_trained_on_the_train_split_alone_and_encodes_the_text_exactly(tm
         assert (tmp_path / 'again' / name).read_bytes() == (out / name).read_bytes()
 
 
-@pytest.mark.parametrize('setting', ['bpe:', 'bpe:256', 'bpe:0', 'bpe:-300', 'bpe:8k', 'bpe:16777217'])
-def test_bpe_vocabulary_size_out_of_range_is_an_error_naming_it(tmp_path, setting):
-    # Reference: the message and the bounds: 257 ids are the 256 bytes and <|endoftext|>, with no merge
+@pytest.mark.parametrize('setting', ['bpe:', 'bpe:256', 'bpe:0', 'bpe:-300', 'bpe:8k', 'bpe:16777217', 'bpe:²00'])
+def test_bpe_vocabulary_size_out_of_range_is_an_error_naming_it(tmp_path, setting, capsys):
+    # Reference: the message and the bounds: 257 ids are the 256 bytes and <|endoftext|>, with no merge ('²' is a
+    # digit to str.isdigit, not to int). Above what the text can merge, fewer tokens, said so
     path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
     with pytest.raises(SystemExit) as e:
         prepare_data.main([f'--input={path}', f'--tokenizer={setting}', f'--data_dir={tmp_path / "out"}'])
@@ -354,6 +362,59 @@ def test_bpe_vocabulary_size_out_of_range_is_an_error_naming_it(tmp_path, settin
                                  f"from 257 (the 256 bytes and <|endoftext|>, no merges) to 16,777,216, e.g. bpe:8192")
     assert not (tmp_path / 'out').exists()
     assert prepare(path, 'bpe:257', str(tmp_path / 'out'), 0.1)['vocab_size'] == 257
+    assert prepare(path, 'bpe:1000', str(tmp_path / 'out'), 0.1)['vocab_size'] == 257 + 4 + 4  # hello, world whole
+    assert "bpe:1000 asked for more: the text has no more pairs to merge" in capsys.readouterr().out
+
+
+def test_a_bpe_run_s_files_are_never_input_and_go_with_their_dataset(tmp_path, monkeypatch):
+    # Reference: the one input file's text. data_dir inside the input: bpe:N's tokenizer.json and
+    # tokenizer_config.json (and a killed run's .tmp of them) are never read as input, by any later run; a run with
+    # another tokenizer removes them with the dataset they belong to (--tokenizer=hf:DATA_DIR would load them), one
+    # that encodes with them (hf:DATA_DIR) keeps them
+    monkeypatch.chdir(tmp_path)
+    text = 'to be or not to be, that is the question\n' * 30
+    write(tmp_path / 'c' / 'a.txt', text)
+    for tokenizer in ('bpe:300', 'bpe:300', 'hf:c/data', 'char', 'bpe:280', 'hf:c/data/tokenizer.json', 'gpt2'):
+        write(tmp_path / 'c' / 'data' / 'tokenizer.json.tmp', 'left by a killed run\n' * 5)
+        if tokenizer == 'gpt2':
+            monkeypatch.setattr(prepare_data, 'load_bpe', lambda name: cl100k_offline())  # offline: cl100k
+        meta = prepare('c', tokenizer, 'c/data', 0.1)
+        assert meta['sources'] == ['c/a.txt'], tokenizer
+        ids = [i for i in np.concatenate(load('c/data')[1:]) if i != meta.get('eot_token')]
+        assert get_tokenizer(meta)[1](ids) == text
+        kept = prepare_data.BPE_FILES if tokenizer.startswith(('bpe', 'hf')) else ()
+        left = () if tokenizer.startswith('bpe') else ('tokenizer.json.tmp',)  # bpe:N's own temporary file
+        assert sorted(os.listdir('c/data')) == sorted(prepare_data.OUTPUTS + left + kept), tokenizer
+        if tokenizer.startswith('hf:'):
+            file = (tmp_path / 'c' / 'data' / 'tokenizer.json').read_bytes()
+            assert meta['tokenizer_sha256'] == hashlib.sha256(file).hexdigest()
+    # a tokenizer put in data_dir by hand (its tokenizer_config.json without bpe:N's trained_by) is never removed
+    hand = {'tokenizer.json': '{}', 'tokenizer_config.json': json.dumps({'eos_token': '</s>'})}
+    for name, text in hand.items():
+        write(tmp_path / 'c' / 'data' / name, text)
+    prepare('c', 'char', 'c/data', 0.1)
+    assert {name: (tmp_path / 'c' / 'data' / name).read_text() for name in hand} == hand
+
+
+def test_a_failed_bpe_run_into_a_new_data_dir_leaves_none(tmp_path, monkeypatch):
+    # Reference: the directories before the run. bpe:N moves its tokenizer files in first: a rename after them that
+    # fails leaves no data_dir holding them (as a run of another tokenizer leaves none)
+    path = write(tmp_path / 'a.txt', 'hello\nworld\n' * 10)
+    for name in ('train.bin', 'tokenizer_config.json'):
+        fail_for(monkeypatch, 'replace', lambda p: p.endswith(f'{name}.tmp'), errno.EACCES)
+        with pytest.raises(OSError, match='Permission denied'):
+            prepare(path, 'bpe:270', str(tmp_path / 'new' / 'out'), 0.1)
+        monkeypatch.undo()
+        assert os.listdir(tmp_path / 'new') == [], name
+
+
+def test_bpe_without_the_tokenizers_library_says_so(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'tokenizers' else find_spec(name))
+    with pytest.raises(ValueError, match=re.escape("tokenizer 'bpe:300' is trained by the tokenizers library, which is "
+                                                   "not installed: pip install tokenizers")):
+        prepare(write(tmp_path / 'a.txt', 'hello\nworld\n' * 10), 'bpe:300', str(tmp_path / 'out'), 0.1)
+    assert not (tmp_path / 'out').exists()
 
 
 # -----------------------------------------------------------------------------
