@@ -728,7 +728,7 @@ def probe_dir(path, key):
 
 def prepare(input='', tokenizer='char', data_dir=DEFAULTS['data_dir'], val_fraction=0.1, text_field='text',
             threads=0):
-    """Write train.bin, val.bin and meta.json to data_dir; return the meta dict."""
+    """Write train.bin, val.bin and meta.json (bpe:N: its tokenizer files first) to data_dir; return the meta dict."""
     if tokenizer not in TOKENIZERS and not tokenizer.startswith(('hf:', 'bpe:')):
         raise ValueError(f"unknown tokenizer '{tokenizer}': choose one of {', '.join(TOKENIZERS)}, hf:PATH or bpe:N")
     bpe_size = bpe_vocab_size(tokenizer) if tokenizer.startswith('bpe:') else None
@@ -773,10 +773,11 @@ def stale_bpe_files(data_dir, tokenizer):
         path = tokenizer[3:]
         if os.path.realpath(os.path.dirname(path) if path.endswith('.json') else path) == os.path.realpath(data_dir):
             return []
-    config = os.path.join(data_dir, 'tokenizer_config.json')
-    if not (os.path.exists(config) and trained_here(read_text(config))):
+    try:
+        ours = trained_here(read_text(os.path.join(data_dir, 'tokenizer_config.json')))
+    except ValueError:  # none (or one that cannot be read, which is not this run's to judge)
         return []
-    return [p for p in (os.path.join(data_dir, name) for name in BPE_FILES) if os.path.exists(p)]
+    return [p for p in (os.path.join(data_dir, name) for name in BPE_FILES) if ours and os.path.exists(p)]
 
 
 def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_field, threads, bpe_size=None,
