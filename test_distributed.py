@@ -650,6 +650,19 @@ def test_a_config_error_is_printed_once(root, eval_data):
     assert r.output.count('train.py: error: gradient_accumulation_steps=3 is the global number') == 1, r.describe()
 
 
+@pytest.mark.parametrize('rank, local_rank, printed', [('0', '0', True), ('2', '0', True), ('3', '1', False)])
+def test_a_config_error_is_printed_by_the_first_process_of_each_node(tmp_path, rank, local_rank, printed):
+    # Reference: the environment torchrun gives process 2 of 4 on two nodes of two (RANK 2, LOCAL_RANK 0): a config
+    # error can be one node's alone (a device it lacks), and each node's log is its own, so its first process
+    # prints it; the node's others exit 1 silently. (Before, only RANK 0 printed: node 2's log said nothing.)
+    env = {**os.environ, 'RANK': rank, 'LOCAL_RANK': local_rank, 'WORLD_SIZE': '4'}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, 'train.py'), '--learning_rat=1e-3',
+                           f'--out_dir={tmp_path}'], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == ("train.py: error: unknown config key 'learning_rat' in flag '--learning_rat=1e-3'; did you "
+                           "mean 'learning_rate'?\n" if printed else ''), proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------------
 # 6: Batches splits the one-process draw among the processes (in-process, no torchrun)
 

@@ -2056,8 +2056,9 @@ if __name__ == '__main__':
     except (ConfigError, TrainError) as e:
         # one write of the whole line (sys.exit(message) writes the newline apart): under torchrun the
         # processes share stderr, and two processes' errors would otherwise run together on one line. A config
-        # error is every process's alike: process 0 prints it
-        if isinstance(e, TrainError) or os.environ.get('RANK', '0') == '0':
+        # error is every process's alike, or at least every process's of one node (a device it lacks): each node's
+        # first process prints it, in that node's log
+        if isinstance(e, TrainError) or os.environ.get('LOCAL_RANK', '0') == '0':
             sys.stderr.write(f"train.py: error: {e}\n")
             sys.stderr.flush()
         sys.exit(1)
