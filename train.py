@@ -1184,23 +1184,8 @@ def setting_warnings(cfg, world, trains=True):
     if world == 1 and cfg.parallelism != DEFAULTS['parallelism']:
         warnings.append(f"parallelism={cfg.parallelism!r} has no effect: one process runs the whole model; it applies "
                         f"under torchrun, with more than one process")
-    # a schedule cut short (a quick try of a long run's config) trains at a rate its config never meant
-    if not trains:  # a resume with no step left to take: its schedule is moot
-        pass
-    elif cfg.warmup_iters >= cfg.max_iters > 0:
-        warnings.append(f"warmup_iters={cfg.warmup_iters} is at least max_iters={cfg.max_iters}: the learning rate "
-                        f"only warms up, to {get_lr(cfg.max_iters - 1, cfg):.2e} at the last step "
-                        f"(learning_rate={cfg.learning_rate:.2e}), and never decays")
-    elif 0 < cfg.lr_decay_iters <= cfg.warmup_iters and cfg.min_lr < cfg.learning_rate:
-        warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is at most warmup_iters={cfg.warmup_iters}: the "
-                        f"learning rate drops from its warmup straight to min_lr={cfg.min_lr:.2e}")
-    elif cfg.lr_decay_iters > cfg.max_iters > 0 and cfg.min_lr < cfg.learning_rate:
-        last = get_lr(cfg.max_iters - 1, cfg)
-        warnings.append(f"lr_decay_iters={cfg.lr_decay_iters} is above max_iters={cfg.max_iters}: the learning rate "
-                        + ("has not started its decay (wsd) by the last step, so it never reaches"
-                           if last == cfg.learning_rate else f"ends at {last:.2e} at the last step, not at")
-                        + f" min_lr={cfg.min_lr:.2e} (lr_decay_iters=0: max_iters; a resume "
-                        f"with a larger max_iters goes on along the same schedule)")
+    if trains:  # not on a resume with no step left to take: its schedule is moot
+        warnings += schedule_warnings(cfg)
     if is_hf(cfg) and cfg.zero_init_proj != DEFAULTS['zero_init_proj']:
         warnings.append(f"zero_init_proj={cfg.zero_init_proj!r} has no effect: the weights come from "
                         f"init_from={cfg.init_from}")
@@ -1214,6 +1199,26 @@ def setting_warnings(cfg, world, trains=True):
                         f"iterations: no step trains on whole windows of block_size={cfg.block_size}, which the "
                         f"evaluation uses")
     return warnings
+
+
+def schedule_warnings(cfg):
+    """A warning for a learning-rate schedule cut short (a quick try of a long run's config), which trains at a rate
+    its config never meant: no decay, or not to its end; else none."""
+    if cfg.warmup_iters >= cfg.max_iters > 0:
+        return [f"warmup_iters={cfg.warmup_iters} is at least max_iters={cfg.max_iters}: the learning rate "
+                f"only warms up, to {get_lr(cfg.max_iters - 1, cfg):.2e} at the last step "
+                f"(learning_rate={cfg.learning_rate:.2e}), and never decays"]
+    if 0 < cfg.lr_decay_iters <= cfg.warmup_iters and cfg.min_lr < cfg.learning_rate:
+        return [f"lr_decay_iters={cfg.lr_decay_iters} is at most warmup_iters={cfg.warmup_iters}: the "
+                f"learning rate drops from its warmup straight to min_lr={cfg.min_lr:.2e}"]
+    if cfg.lr_decay_iters > cfg.max_iters > 0 and cfg.min_lr < cfg.learning_rate:
+        last = get_lr(cfg.max_iters - 1, cfg)
+        return [f"lr_decay_iters={cfg.lr_decay_iters} is above max_iters={cfg.max_iters}: the learning rate "
+                + ("has not started its decay (wsd) by the last step, so it never reaches"
+                   if last == cfg.learning_rate else f"ends at {last:.2e} at the last step, not at")
+                + f" min_lr={cfg.min_lr:.2e} (lr_decay_iters=0: max_iters; a resume "
+                f"with a larger max_iters goes on along the same schedule)"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------------
