@@ -440,10 +440,15 @@ def read_json(path, text=None):
         raise ValueError(f"cannot read {path}: {e}") from None
 
 
+def tokenizer_file(path):
+    """The tokenizer.json of hf:PATH: PATH where it names a .json file, else PATH/tokenizer.json."""
+    return path if path.endswith('.json') else os.path.join(path, 'tokenizer.json')
+
+
 def load_hf(path):
     """The tokenizer of a Hugging Face model directory (or a tokenizer.json file), and the meta.json fields
     that record it. eot is the eos token of tokenizer_config.json, else config.json's eos_token_id, else none."""
-    file = path if path.endswith('.json') else os.path.join(path, 'tokenizer.json')
+    file = tokenizer_file(path)
     try:
         with open(file, 'rb') as f:
             data = f.read()
@@ -770,8 +775,7 @@ def stale_bpe_files(data_dir, tokenizer):
     removes with the dataset they belong to: left, --tokenizer=hf:DATA_DIR would load them. Kept where this run
     encodes with them (hf:DATA_DIR); a tokenizer put there by hand is never touched."""
     if tokenizer.startswith('hf:'):
-        path = tokenizer[3:]
-        if os.path.realpath(os.path.dirname(path) if path.endswith('.json') else path) == os.path.realpath(data_dir):
+        if os.path.realpath(os.path.dirname(tokenizer_file(tokenizer[3:]))) == os.path.realpath(data_dir):
             return []
     try:
         ours = trained_here(read_text(os.path.join(data_dir, 'tokenizer_config.json')))
@@ -792,6 +796,7 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
                          f"val_fraction={val_fraction} leaves both train and val non-empty")
     print(f"{len(paths)} input files, {total:,} bytes of text, tokenizer {tokenizer}")
     records = {'text_field': text_field} if any(map(is_records, paths)) else {}
+    files = ()  # bpe:N's tokenizer files, written first
     if bpe_size:  # trained, then an hf: tokenizer like any other: load_hf(data_dir) gives these once it is written
         files = train_bpe(read_chunks(paths, text_field, split_at), split_at, bpe_size)
         tokenizer, enc = 'hf:' + os.path.dirname(final[-1]), HFTokenizer(files[0], eot_token=0)
@@ -810,7 +815,7 @@ def write_dataset(paths, final, tokenizer, enc, hf_fields, val_fraction, text_fi
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
     try:
-        for text, path in zip(files if bpe_size else (), temp):  # bpe:N's tokenizer files
+        for text, path in zip(files, temp):
             with open(path, 'wb', buffering=0) as f:
                 write_to(f, text.encode(), path)
         t0, replaced = time.time(), {}
