@@ -504,7 +504,8 @@ def markdown(rows, meta):
                                                               ('ok', 'failed')]),
              f"- timing: median of {meta['repeats']} x {meta['steps']} steps after {meta['warmup']} warm-up steps; "
              f"peak memory: {meta['memory']}; vs baseline: over {baseline}; vs prev: over the rung it builds on; "
-             f"loss: after the timed steps; learning rate {train.DEFAULTS['learning_rate']:g}, "
+             f"loss: the last timed step's (its forward, before its update); MB: 2^20 bytes; "
+             f"learning rate {train.DEFAULTS['learning_rate']:g}, "
              + (f"warmed up over the first {meta['lr_warmup']} steps, the warm-up steps included"
                 if meta.get('lr_warmup') else "constant"),
              "- activations: the bytes saved for backward in one micro-step, each storage once, parameters and "
@@ -781,8 +782,9 @@ def fit(env):
 # ----------------------------------------------------------------------------------------------------
 # profile mode
 
-# kernel (or CPU operator) name -> kind; the first pattern that matches wins, in this order. 'optimizer': whatever
-# Optimizer.step launches (kernel_times), and by name the foreach kernels outside it: gradient clipping's norm and
+# kernel (or CPU operator) name -> kind; the first pattern that matches wins, in this order. What launched it decides
+# first (launcher_kind): whatever Optimizer.step launches is the optimizer's, whatever an attention op launches is
+# attention; by name the foreach kernels outside the step are the optimizer's too: gradient clipping's norm and
 # scaling and the GradScaler's unscale, the rest of the update
 KINDS = [('optimizer', ('adam', 'muon', 'optimizer', 'foreach', 'multi_tensor', 'newton')),
          ('attention', ('flash', 'fmha', 'attention', 'sdpa')),
@@ -804,17 +806,39 @@ FP8_CASTS = ('_scaled_mm', '_abs_')
 
 def kind_of(name):
     name = name.lower()
-    if name.startswith('triton_') and not name.startswith('triton_tem_') and any(p in name for p in FP8_CASTS):
-        return 'elementwise with FP8 casts'  # (a pattern of the matmuls' or attention's would claim some of them)
+    if name.startswith('triton_') and not name.startswith('triton_tem_'):  # inductor's fused kernels, named after
+        if any(p in name for p in FP8_CASTS):  # the ops they fuse: a transpose of attention's gradient is no attention
+            return 'elementwise with FP8 casts'
+        if not any(p in name for p in KINDS[0][1]):  # (a compiled optimizer's keep its name)
+            return 'elementwise and other'
     return next(kind for kind, patterns in KINDS if any(p in name for p in patterns))
 
 
-def in_optimizer_step(event):
+def launcher_kind(event):
+    """The kind that the host calls around event (a CPU operator, or the call that launched a kernel), itself
+    included, give its time whatever its name: 'optimizer' inside Optimizer.step; 'attention' inside an attention
+    op (cuDNN's helper kernels, cudnn::fusion::compute_dot_do_o and convert_dq_to_16bits, a math fallback's bmm);
+    'cast' inside aten::_to_copy (see kind_in); None: its name decides."""
+    names = []
     while event is not None:
-        if event.name.startswith('Optimizer.step'):
-            return True
+        names.append(event.name)
         event = event.cpu_parent
-    return False
+    if any(name.startswith('Optimizer.step') for name in names):
+        return 'optimizer'
+    if any(name.startswith('aten::') and 'attention' in name for name in names):
+        return 'attention'
+    return 'cast' if 'aten::_to_copy' in names else None
+
+
+def kind_in(name, launcher):
+    """The kind of a kernel or operator called name, given its launcher_kind. A copy under aten::_to_copy that
+    stays on its device changes the dtype: it computes, as elementwise work (on the CPU a cast is aten::copy_)."""
+    if launcher in ('optimizer', 'attention'):
+        return launcher
+    kind = kind_of(name)
+    if launcher == 'cast' and kind == 'memory copy' and not any(p in name.lower() for p in ('memcpy', 'memset')):
+        return 'elementwise and other'
+    return kind
 
 
 def device_kernels(events):
@@ -830,7 +854,7 @@ def kernel_times(events):
     kernel launched from inside Optimizer.step is the optimizer's, whatever its name), each name's kind, and
     the milliseconds that at least one kernel covers. CPU operators count only as launchers, never as time."""
     cuda = torch.autograd.DeviceType.CUDA
-    spent, calls, shares, launched_by_optimizer = (collections.Counter() for _ in range(4))
+    spent, calls, shares, launched = (collections.Counter() for _ in range(4))
     busy, end = 0.0, -math.inf
     for e in device_kernels(events):
         start, stop = max(e.time_range.start, end), e.time_range.end  # the union of the kernels' intervals
@@ -838,17 +862,42 @@ def kernel_times(events):
         spent[e.name] += e.time_range.elapsed_us()
         calls[e.name] += 1
     for e in events:  # the CPU calls that launched kernels (Kernel: name, device, duration)
-        if e.device_type != cuda and e.kernels and in_optimizer_step(e):
+        if e.device_type != cuda and e.kernels and launcher_kind(e):
             for k in e.kernels:
-                launched_by_optimizer[k.name] += k.duration
+                launched[k.name, kind_in(k.name, launcher_kind(e))] += k.duration
+    by_name = collections.defaultdict(collections.Counter)  # name -> its time by kind
     for name, t in spent.items():
-        in_optimizer = min(t, launched_by_optimizer[name])
-        shares['optimizer'] += in_optimizer
-        shares[kind_of(name)] += t - in_optimizer
+        for (launched_name, kind), us in launched.items():
+            if launched_name == name:
+                by_name[name][kind] += min(us, t - sum(by_name[name].values()))
+        by_name[name][kind_of(name)] += t - sum(by_name[name].values())  # launched where its name decides
+    for times in by_name.values():
+        shares.update(times)
     shares = +shares  # drop the kinds with no time
-    kind = {name: 'optimizer' if launched_by_optimizer[name] and 2 * launched_by_optimizer[name] >= t else kind_of(name)
-            for name, t in spent.items()}
-    return spent, calls, shares, kind, busy / 1000
+    return spent, calls, shares, majority_kind(by_name), busy / 1000
+
+
+def operator_times(prof):
+    """kernel_times' figures for a CPU profile, of its operators' own CPU time (busy: their sum)."""
+    spent, calls, shares = (collections.Counter() for _ in range(3))
+    for e in prof.key_averages():
+        if e.self_cpu_time_total > 0:
+            spent[e.key] += e.self_cpu_time_total  # one key can have several rows (by device, annotation)
+            calls[e.key] += e.count
+    by_name = collections.defaultdict(collections.Counter)  # name -> its time by kind
+    for e in prof.events():
+        if e.self_cpu_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU:
+            by_name[e.name][kind_in(e.name, launcher_kind(e))] += e.self_cpu_time_total
+    for times in by_name.values():
+        shares.update(times)
+    kind = {**{name: kind_of(name) for name in spent}, **majority_kind(by_name)}
+    return spent, calls, +shares, kind, sum(spent.values()) / 1000
+
+
+def majority_kind(by_name):
+    """{name: the kind that most of its time counts under} of {name: Counter(kind: time)}: a listed kernel's or
+    operator's kind is the one the shares count (most of) its time under."""
+    return {name: max(times, key=times.get) for name, times in by_name.items()}
 
 
 def shorten(name, width=90):
@@ -937,22 +986,9 @@ def profile(env):
     if cuda:
         spent, calls, shares, kind, busy_ms = kernel_times(prof.events())
         what = 'kernel'
-    else:  # operators: their own CPU time
-        spent, calls, shares, in_optimizer = (collections.Counter() for _ in range(4))
-        for e in prof.key_averages():
-            if e.self_cpu_time_total > 0:
-                spent[e.key] += e.self_cpu_time_total  # one key can have several rows (by device, annotation)
-                calls[e.key] += e.count
-        for e in prof.events():
-            if e.self_cpu_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU:
-                optimizer = in_optimizer_step(e)
-                shares['optimizer' if optimizer else kind_of(e.name)] += e.self_cpu_time_total
-                if optimizer:
-                    in_optimizer[e.name] += e.self_cpu_time_total
-        # an operator's kind, as the shares count its time: the optimizer's where most of its time is in its step
-        kind = {name: 'optimizer' if in_optimizer[name] and 2 * in_optimizer[name] >= t else kind_of(name)
-                for name, t in spent.items()}
-        busy_ms, what = sum(spent.values()) / 1000, 'operator'
+    else:
+        spent, calls, shares, kind, busy_ms = operator_times(prof)
+        what = 'operator'
     total = sum(spent.values()) or 1.0
     meta = env.meta
     lines = [f'# bench.py: profile of rung {number} ({name})', '', f"- command: `{meta['command']}`",

@@ -9,6 +9,7 @@ block, the logits the chunked loss drops); .ci/gpu's commands against bench.py's
 
     python -m pytest -q test_bench.py
 """
+import collections
 import importlib.util
 import json
 import multiprocessing
@@ -254,6 +255,64 @@ def test_kernel_times_count_each_kernel_once_and_the_optimizers_by_launcher():
     assert shares == {'matmul': 100, 'optimizer': 30, 'elementwise and other': 10, 'attention': 40}
     assert kind == {mm.name: 'matmul', add_fwd.name: 'optimizer', attn.name: 'attention'}
     assert busy_ms == pytest.approx((100 + 40 + 30) / 1000)
+
+
+def test_kernel_times_count_attention_and_casts_by_their_launcher():
+    # Reference: the kinds by what launched each kernel, by hand. cuDNN's attention backward launches helper kernels
+    # whose names say nothing of attention (their times under "elementwise" in 2026-11-26's H100 profile: 96 calls
+    # each, as many as the attention backward's); a copy kernel under aten::_to_copy that stays on the device is a
+    # cast (elementwise), the host-to-device copy under it a memory copy, the same copy kernel under clone a memory
+    # copy; inductor's fused transpose, named after the attention op it came from, is elementwise.
+    copy = ('void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)'
+            '::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>')
+    dot, dq, cast, clone, h2d, fused = (
+        fake_kernel('void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, vo...', 0,
+                    10),
+        fake_kernel('void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsign...', 10,
+                    30),
+        fake_kernel(copy, 30, 60), fake_kernel(copy, 60, 65), fake_kernel('Memcpy HtoD (Pinned -> Device)', 65, 75),
+        fake_kernel('triton_poi_fused__scaled_dot_product_cudnn_attention_backward_transpose_view_3', 75, 80))
+    backward = fake_cpu_call('aten::_scaled_dot_product_cudnn_attention_backward',
+                             fake_cpu_call('CompiledFunctionBackward'))
+    to_copy = fake_cpu_call('aten::_to_copy', fake_cpu_call('aten::to'))
+    launchers = [fake_cpu_call('aten::_cudnn_attention_backward', backward, [dot, dq]),
+                 fake_cpu_call('aten::copy_', to_copy, [cast, h2d]),
+                 fake_cpu_call('aten::copy_', fake_cpu_call('aten::clone'), [clone]),
+                 fake_cpu_call(fused.name, fake_cpu_call('CompiledFunctionBackward'), [fused])]
+    spent, calls, shares, kind, _ = bench.kernel_times([*launchers, dot, dq, cast, clone, h2d, fused])
+    assert shares == {'attention': 30, 'elementwise and other': 30 + 5, 'memory copy': 5 + 10}
+    assert kind == {dot.name: 'attention', dq.name: 'attention', copy: 'elementwise and other',
+                    h2d.name: 'memory copy', fused.name: 'elementwise and other'}
+    assert bench.kind_of('triton_poi_fused__scaled_dot_product_flash_attention_backward_transpose_view_3') == \
+        'elementwise and other'
+
+
+def test_cpu_profile_counts_attention_and_casts_by_their_callers():
+    # Reference: a CPU profile of a cast, a clone and attention by its math path; the operators' own times, summed
+    # here from the profiler's events by their callers: the bmm inside attention is attention's, the copy_ inside
+    # _to_copy a cast (elementwise), the copy_ inside clone a memory copy; a matmul outside attention a matmul.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    q, w, x = torch.randn(1, 2, 64, 16), torch.randn(256, 256), torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, sdpa_kernel(SDPBackend.MATH):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        x.to(torch.bfloat16), x.clone(), x @ w
+    spent, calls, shares, kind, _ = bench.operator_times(prof)
+
+    def callers(e):
+        return [] if e is None else [e.name, *callers(e.cpu_parent)]
+    expected = collections.defaultdict(collections.Counter)  # name -> its time by kind
+    for e in prof.events():
+        names = callers(e)
+        if e.self_cpu_time_total > 0:
+            expected[e.name][('attention' if any('attention' in n for n in names) else
+                              'elementwise and other' if e.name == 'aten::copy_' and 'aten::_to_copy' in names else
+                              'memory copy' if e.name == 'aten::copy_' else 'matmul' if e.name == 'aten::mm' else
+                              bench.kind_of(e.name))] += e.self_cpu_time_total
+    assert shares == +sum(expected.values(), collections.Counter()) and shares['attention'] and shares['matmul']
+    # a name's kind in the table: the kind of most of its time (aten::copy_: the cast's, the clone's, attention's)
+    assert kind == {name: max(times, key=times.get) for name, times in expected.items()}
+    assert kind['aten::bmm'] == 'attention' and kind['aten::mm'] == 'matmul'
 
 
 def test_kind_of_cpu_operators_and_copy_kernels():
