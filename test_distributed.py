@@ -485,6 +485,7 @@ def test_only_rank_zero_prints_and_logs(par6, single6):
     for pattern in (r'^config:$', r'^model: ', r'^optimizations:$', r'^done: '):
         assert len(re.findall(pattern, out, re.M)) == 1, (pattern, out[-3000:])
     assert f'{"FSDP2" if par6.parallelism == "fsdp" else "DDP"}, 2 processes' in out
+    assert 'broadcast_buffers' not in out  # torch 2.13's deprecation, a FutureWarning from every process
     # the optimizer state per parameter that a process holds, as in one process (FSDP: its shards, about half)
     state = r'optimizer state: ([0-9.]+) bytes per parameter \(adamw\)'
     (one,), [(two, held)] = (re.findall(state + ', ', single6.output),
@@ -648,6 +649,30 @@ def test_a_config_error_is_printed_once(root, eval_data):
     r = run(2, root / 'config_error', eval_data(2), '--gradient_accumulation_steps=3', timeout=HANG_TIMEOUT)
     assert r.rc != 0 and not r.timed_out, r.describe()
     assert r.output.count('train.py: error: gradient_accumulation_steps=3 is the global number') == 1, r.describe()
+
+
+@pytest.mark.parametrize('case', ['no_checkpoint', 'data', 'process_zero_alone'])
+def test_an_error_is_printed_once(case, root, eval_data):
+    # Reference: the README ("Only process 0 prints"): a missing checkpoint or a data file that does not match
+    # meta.json, which every process finds alike, once, not once per process; an out_dir that process 0 alone
+    # creates and cannot (a file in its path), once, by process 0: the other's "process 0 stopped with an error"
+    # would say nothing more
+    data, extra, error = eval_data(2), [], 'train.py: error: '
+    if case == 'no_checkpoint':
+        extra, error = ['--init_from=resume'], f"train.py: error: no checkpoint at {root / 'error_no_checkpoint'}"
+    elif case == 'data':
+        data = root / 'error_data'
+        shutil.copytree(eval_data(2), data)
+        with open(data / 'val.bin', 'ab') as f:
+            f.write(b'\0')  # an odd byte: not a whole number of uint16 tokens
+        error = f"train.py: error: {data / 'val.bin'} has "
+    else:
+        (root / 'error_file').write_text('a file, not a directory')
+        extra = [f"--out_dir={root / 'error_file' / 'out'}"]
+    r = run(2, root / f'error_{case}', data, '--gradient_accumulation_steps=2', *extra, timeout=HANG_TIMEOUT)
+    assert r.rc != 0 and not r.timed_out, r.describe()
+    assert r.output.count(error) == 1 and r.output.count('train.py: error:') == 1, r.describe()
+    assert 'process 0 stopped' not in r.output, r.describe()  # (torchrun's own traceback follows: its workers failed)
 
 
 @pytest.mark.parametrize('rank, local_rank, printed', [('0', '0', True), ('2', '0', True), ('3', '1', False)])

@@ -75,6 +75,7 @@ import gc  # noqa: E402
 import glob  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -201,7 +202,25 @@ START_KEYS = ('zero_init_proj', 'eval_at_start')
 
 
 class TrainError(RuntimeError):
-    """A problem with the run's inputs: reported as one clear message, without a traceback."""
+    """A problem with the run's inputs: reported as one clear message, without a traceback. Under torchrun each
+    process prints its own, except one raised alike by every process of a node (every_process, set by
+    alike_in_every_process): that node's first process prints it, as it does a config error."""
+    every_process = False
+
+
+class PeerError(TrainError):
+    """This process stops because another one failed, which prints why: nothing to print here."""
+
+
+@contextmanager
+def alike_in_every_process():
+    """Marks the TrainErrors raised inside as every process's alike: checks of the config and the files (data,
+    checkpoint, a Hugging Face model), which every process of a node makes in the same order on the same files."""
+    try:
+        yield
+    except TrainError as e:
+        e.every_process = True
+        raise
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1041,7 +1060,7 @@ def on_master(r, work):
         except TrainError as e:
             error = e
     if not agree(error is None, r.device):
-        raise error or TrainError("process 0 stopped with an error (it prints it)")
+        raise error or PeerError("process 0 stopped with an error (it prints it)")
 
 
 def peak_memory_mb(device_type):
@@ -1315,18 +1334,19 @@ def setup(cfg, argv, device, rank, world):
     r.scaler = torch.amp.GradScaler(device_type, enabled=(r.dtype == 'float16'))
 
     # ---- data, checked before anything is built
-    model_args = model_shape(cfg, argv)
-    r.meta = meta = read_meta(cfg.data_dir)
-    r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
-    if r.vocab < meta['vocab_size']:
-        theirs = f"the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/meta.json)"
-        if is_hf(cfg):  # the model's, which no vocab_size flag may change (model_shape)
-            path = cfg.init_from[3:]
-            raise TrainError(f"the model's vocab_size={r.vocab} ({path}/config.json) is smaller than {theirs}: "
-                             f"finetune on data prepared with the model's tokenizer{tokenizer_advice(path)}")
-        raise TrainError(f"vocab_size={r.vocab} is smaller than {theirs}")
-    train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
-    val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
+    with alike_in_every_process():
+        model_args = model_shape(cfg, argv)
+        r.meta = meta = read_meta(cfg.data_dir)
+        r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
+        if r.vocab < meta['vocab_size']:
+            theirs = f"the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/meta.json)"
+            if is_hf(cfg):  # the model's, which no vocab_size flag may change (model_shape)
+                path = cfg.init_from[3:]
+                raise TrainError(f"the model's vocab_size={r.vocab} ({path}/config.json) is smaller than {theirs}: "
+                                 f"finetune on data prepared with the model's tokenizer{tokenizer_advice(path)}")
+            raise TrainError(f"vocab_size={r.vocab} is smaller than {theirs}")
+        train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
+        val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                         cfg.gradient_accumulation_steps, rank, world)
     r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
@@ -1380,7 +1400,8 @@ def setup(cfg, argv, device, rank, world):
         r.grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
         r.parallel_note = f'FSDP2, {world} processes'
 
-    ckpt = start_or_resume(r)
+    with alike_in_every_process():  # (its only error of process 0's alone, truncate_metrics', is printed by it)
+        ckpt = start_or_resume(r)
     # ---- optimizer, built after the weights are loaded (the CPU-offload optimizer copies them)
     r.optimizer = configure_optimizer(model, cfg, device_type)
     if ckpt is not None and ckpt['optimizer'] is not None:
@@ -1393,10 +1414,13 @@ def setup(cfg, argv, device, rank, world):
         # on nothing sets them to None (grad_views: train_step, compile_model)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        # broadcast_buffers=False: the model's buffers (RoPE's tables) are computed alike in every process and never
-        # change, so DDP need not send process 0's before each step's forward
+        # no buffer sync: the model's buffers (RoPE's tables) are computed alike in every process and never change,
+        # so DDP need not send process 0's before each step's forward (forward_sync_buffers from torch 2.13 on, which
+        # deprecates broadcast_buffers, with a warning from every process)
+        sync = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(DDP).parameters else \
+            'broadcast_buffers'
         r.wrapped = wrapped = DDP(model, device_ids=[torch.device(device)] if device_type == 'cuda' else None,
-                                  gradient_as_bucket_view=True, broadcast_buffers=False)
+                                  gradient_as_bucket_view=True, **{sync: False})
         r.grad_views = True
         r.grad_sync = lambda last: nullcontext() if last else wrapped.no_sync()  # all-reduce once per step
         r.parallel_note = f'DDP, {world} processes'
@@ -2062,8 +2086,10 @@ if __name__ == '__main__':
         # one write of the whole line (sys.exit(message) writes the newline apart): under torchrun the
         # processes share stderr, and two processes' errors would otherwise run together on one line. A config
         # error is every process's alike, or at least every process's of one node (a device it lacks): each node's
-        # first process prints it, in that node's log
-        if isinstance(e, TrainError) or os.environ.get('LOCAL_RANK', '0') == '0':
+        # first process prints it, in that node's log; so are the checks of the files (alike_in_every_process).
+        # A PeerError's process stops because another failed, which prints why
+        alike = isinstance(e, ConfigError) or e.every_process
+        if not isinstance(e, PeerError) and (not alike or os.environ.get('LOCAL_RANK', '0') == '0'):
             sys.stderr.write(f"train.py: error: {e}\n")
             sys.stderr.flush()
         sys.exit(1)
