@@ -815,6 +815,7 @@ def test_sigterm_stops_both_processes_at_one_step_and_resumes(root, data):
     assert launch.rc != 0, launch.describe()
     saved = re.findall(r'^SIGTERM: saved .*ckpt\.pt at iteration (\d+)\. Resume with:', out_text, re.M)
     assert len(saved) == 1, launch.describe()
+    assert out_text.count('SIGTERM received: stopping after this step') == 1, launch.describe()  # not one per process
     stopped = int(saved[0])
     assert 1 <= stopped < 1000
     # both workers exited by themselves within the launcher's grace period, without a traceback

@@ -1977,7 +1977,8 @@ def test_a_learning_rate_schedule_cut_short_is_a_warning(data, tmp_path, capsys,
 
 @pytest.mark.parametrize('flags, want', [
     (['--max_iters=0', '--eval_at_start=False'], 'max_iters=0 and eval_at_start=False: the run neither trains nor '
-                                                 'evaluates'),
+                                                 'evaluates (it writes its initial weights to out_dir/ckpt.pt, an '
+                                                 "earlier run's files moved aside first)"),
     (['--max_iters=0'], None),
     (['--max_iters=3', '--eval_at_start=False'], None),
 ])
@@ -1989,6 +1990,7 @@ def test_a_run_that_does_nothing_is_a_warning(data, tmp_path, capsys, flags, wan
     assert warnings == ([want] if want else []), warnings
     logged = read_metrics(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / 'metrics.jsonl') else []
     assert bool(want) == (not [r for r in logged if 'val_loss' in r])
+    assert load(tmp_path / 'out' / 'ckpt.pt')['iter_num'] == (3 if '--max_iters=3' in flags else 0)  # as it says
 
 
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run

@@ -1085,19 +1085,22 @@ def resume_command(argv, world):
 
 
 @contextmanager
-def stop_on_signals():
+def stop_on_signals(notify=True):
     """While inside, SIGTERM and SIGINT set stop['signal'] instead of killing the process; a second one stops it
-    at once (SystemExit: a save under way is cleaned up, the last checkpoint stays as it was)."""
+    at once (SystemExit: a save under way is cleaned up, the last checkpoint stays as it was). notify: say so on
+    stderr (under torchrun, which signals every process, the first process of each node does)."""
     stop = {}
 
     def request_stop(signum, frame):
         name = signal.Signals(signum).name
         if 'signal' in stop:  # an evaluation or a save can take minutes: the user insists
-            os.write(2, f"\n{name} received again: stopping now, without saving\n".encode())
+            if notify:
+                os.write(2, f"\n{name} received again: stopping now, without saving\n".encode())
             raise SystemExit(128 + signum)
         stop['signal'] = signum
-        os.write(2, f"\n{name} received: stopping after this step or evaluation (again: at once, without "
-                    f"saving)\n".encode())
+        if notify:
+            os.write(2, f"\n{name} received: stopping after this step or evaluation (again: at once, without "
+                        f"saving)\n".encode())
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop
@@ -1209,7 +1212,8 @@ def setting_warnings(cfg, world, trains=True):
         warnings.append(f"zero_init_proj={cfg.zero_init_proj!r} has no effect: the weights come from "
                         f"init_from={cfg.init_from}")
     if cfg.max_iters == 0 and not cfg.eval_at_start and cfg.init_from != 'resume':
-        warnings.append("max_iters=0 and eval_at_start=False: the run neither trains nor evaluates")
+        warnings.append("max_iters=0 and eval_at_start=False: the run neither trains nor evaluates (it writes its "
+                        "initial weights to out_dir/ckpt.pt, an earlier run's files moved aside first)")
     if cfg.deterministic and cfg.compile and cfg.compile_mode.startswith('max-autotune'):
         warnings.append(f"compile_mode={cfg.compile_mode!r} with deterministic=True tunes little: inductor's "
                         f"deterministic mode takes the GEMMs and the reductions' block sizes without timing them")
@@ -2011,7 +2015,7 @@ def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval and at the end, step, log; returns the
     exit code."""
     cfg, say, world = r.cfg, r.say, r.world
-    with stop_on_signals() as stop:
+    with stop_on_signals(notify=os.environ.get('LOCAL_RANK', '0') == '0') as stop:
         if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
             set_rng_state(r.rng[r.rank])
         elif r.rng is not None:  # more processes than the checkpoint's run had
