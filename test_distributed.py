@@ -533,6 +533,12 @@ def test_resume_across_process_counts(resumed, single6):
     # and resumed to 6 (in the other) must log the same losses and end with the same state.
     r = resumed
     assert 'resuming from' in r.second.output and 'at iteration 3' in r.second.output, r.second.describe()
+    # the change of process count is said, with what becomes of the RNG streams (the data's draw is the same)
+    said = {2: "resuming on 2 processes, the checkpoint's run had 1: the data goes on as it would have; RNG streams "
+               "(dropout's masks) go on in process 0, the others' start anew from seed + rank + iteration",
+            1: "resuming on 1 process, the checkpoint's run had 2: the data goes on as it would have; RNG streams "
+               "(dropout's masks) go on in process 0, the others' are dropped"}[r.world_after]
+    assert r.second.output.count(said) == 1, r.second.describe()
     assert_metrics_close(r.second.metrics(), single6.metrics(), where=r.name)
     got = r.second.ckpt()
     assert_same_state(got, single6.ckpt(), r.name)
@@ -559,7 +565,7 @@ def test_resume_with_dropout_gives_each_process_its_own_rng_state(root, data):
     rng = first.ckpt()['rng']
     assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])
     second = run(2, root / 'drop_resumed', data, *drop, '--max_iters=4', '--init_from=resume').check()
-    assert 'at iteration 2' in second.output, second.describe()
+    assert 'at iteration 2' in second.output and 'resuming on' not in second.output, second.describe()
     assert_metrics_close(second.metrics(), straight.metrics(), where='dropout resume')
     assert_same_state(second.ckpt(), straight.ckpt(), 'dropout resume')
 

@@ -1500,6 +1500,12 @@ def start_or_resume(r):
     r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} ({best_val_text(r.best_val_loss)})")
+    if len(r.rng) != r.world:  # the data does not depend on it (Batches); the RNG streams do (train_loop)
+        kept = min(len(r.rng), r.world)
+        say(f"resuming on {r.world} process{'es' * (r.world > 1)}, the checkpoint's run had {len(r.rng)}: the data "
+            f"goes on as it would have; RNG streams (dropout's masks) go on in process{'es' * (kept > 1)} "
+            f"0{f' to {kept - 1}' * (kept > 1)}" + (", the others' start anew from seed + rank + iteration"
+                                                   if r.world > kept else ", the others' are dropped"))
     if r.iter_num >= cfg.max_iters:  # the run's own config again, to go on: it ends where it started
         say(f"nothing to train: max_iters={cfg.max_iters}, and the checkpoint is at iteration {r.iter_num}; a "
             f"max_iters above {r.iter_num} trains on")
