@@ -816,16 +816,19 @@ def kind_of(name):
 
 def launcher_kind(event):
     """The kind that the host calls around event (a CPU operator, or the call that launched a kernel), itself
-    included, give its time whatever its name: 'optimizer' inside Optimizer.step; 'attention' inside an attention
-    op (cuDNN's helper kernels, cudnn::fusion::compute_dot_do_o and convert_dq_to_16bits, a math fallback's bmm);
-    'cast' inside aten::_to_copy (see kind_in); None: its name decides."""
+    included, give its time whatever its name: 'optimizer' inside Optimizer.step; 'attention' inside a fused
+    attention op (cuDNN's helper kernels, cudnn::fusion::compute_dot_do_o and convert_dq_to_16bits); 'cast' inside
+    aten::_to_copy (see kind_in); None: its name decides. NOTE: not inside the math backend's op: its backward runs
+    as autograd's BmmBackward0 and SoftmaxBackward0, outside any attention op, so both directions count by name
+    (matmul, elementwise), as the rungs with attention='math' always have."""
     names = []
     while event is not None:
         names.append(event.name)
         event = event.cpu_parent
     if any(name.startswith('Optimizer.step') for name in names):
         return 'optimizer'
-    if any(name.startswith('aten::') and 'attention' in name for name in names):
+    if 'aten::_scaled_dot_product_attention_math' not in names and \
+            any(name.startswith('aten::') and 'attention' in name for name in names):
         return 'attention'
     return 'cast' if 'aten::_to_copy' in names else None
 

@@ -288,31 +288,40 @@ def test_kernel_times_count_attention_and_casts_by_their_launcher():
 
 
 def test_cpu_profile_counts_attention_and_casts_by_their_callers():
-    # Reference: a CPU profile of a cast, a clone and attention by its math path; the operators' own times, summed
-    # here from the profiler's events by their callers: the bmm inside attention is attention's, the copy_ inside
-    # _to_copy a cast (elementwise), the copy_ inside clone a memory copy; a matmul outside attention a matmul.
+    # Reference: a CPU profile of a cast, a clone, a matmul and attention, forward and backward, fused (the CPU's
+    # flash kernel) and by the math path; the operators' own times, summed here from the profiler's events by their
+    # callers: whatever runs inside the fused attention op is attention's (its backward's copies, its allocations);
+    # the math path's bmm and softmax count by their names, as its backward (BmmBackward0, outside any attention op)
+    # does; the copy_ inside _to_copy is a cast (elementwise), the copy_ inside clone a memory copy.
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
-    q, w, x = torch.randn(1, 2, 64, 16), torch.randn(256, 256), torch.randn(256, 256)
-    with profile(activities=[ProfilerActivity.CPU]) as prof, sdpa_kernel(SDPBackend.MATH):
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    q, w, x = torch.randn(1, 2, 64, 16, requires_grad=True), torch.randn(256, 256), torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        with sdpa_kernel(SDPBackend.MATH):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
         x.to(torch.bfloat16), x.clone(), x @ w
     spent, calls, shares, kind, _ = bench.operator_times(prof)
 
     def callers(e):
         return [] if e is None else [e.name, *callers(e.cpu_parent)]
     expected = collections.defaultdict(collections.Counter)  # name -> its time by kind
+    fused = {'aten::_scaled_dot_product_flash_attention_for_cpu', 'aten::_scaled_dot_product_flash_attention_for_cpu_'
+             'backward', 'aten::scaled_dot_product_attention'}  # (the last: dispatches to either path)
     for e in prof.events():
         names = callers(e)
         if e.self_cpu_time_total > 0:
-            expected[e.name][('attention' if any('attention' in n for n in names) else
+            expected[e.name][('attention' if fused & set(names) and 'aten::_scaled_dot_product_attention_math' not in
+                              names[1:] else
                               'elementwise and other' if e.name == 'aten::copy_' and 'aten::_to_copy' in names else
-                              'memory copy' if e.name == 'aten::copy_' else 'matmul' if e.name == 'aten::mm' else
+                              'memory copy' if e.name == 'aten::copy_' else
+                              'matmul' if e.name in ('aten::mm', 'aten::bmm') else
                               bench.kind_of(e.name))] += e.self_cpu_time_total
     assert shares == +sum(expected.values(), collections.Counter()) and shares['attention'] and shares['matmul']
     # a name's kind in the table: the kind of most of its time (aten::copy_: the cast's, the clone's, attention's)
     assert kind == {name: max(times, key=times.get) for name, times in expected.items()}
-    assert kind['aten::bmm'] == 'attention' and kind['aten::mm'] == 'matmul'
+    assert kind['aten::bmm'] == 'matmul' and kind['aten::mm'] == 'matmul'
+    assert expected['aten::zeros']['attention'] > 0  # the fused backward's allocations
 
 
 def test_kind_of_cpu_operators_and_copy_kernels():

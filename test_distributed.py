@@ -657,36 +657,48 @@ def test_a_config_error_is_printed_once(root, eval_data):
     assert r.output.count('train.py: error: gradient_accumulation_steps=3 is the global number') == 1, r.describe()
 
 
-@pytest.mark.parametrize('case', ['no_checkpoint', 'data', 'process_zero_alone'])
-def test_an_error_is_printed_once(case, root, eval_data):
-    # Reference: the README ("Only process 0 prints"): a missing checkpoint or a data file that does not match
-    # meta.json, which every process finds alike, once, not once per process; an out_dir that process 0 alone
-    # creates and cannot (a file in its path), once, by process 0: the other's "process 0 stopped with an error"
-    # would say nothing more
-    data, extra, error = eval_data(2), [], 'train.py: error: '
+# An entry in which process 1 alone cannot read the train split (its file system refuses it: a permission, a
+# failing disk), where process 0 reads it
+ONE_CANNOT_READ = '''if rank == 1:
+    def deny(event, args):
+        if event == 'open' and str(args[0]).endswith('train.bin'):
+            raise PermissionError(13, 'Permission denied')
+    sys.addaudithook(deny)
+''' + AS_SCRIPT
+
+
+@pytest.mark.parametrize('case', ['no_checkpoint', 'one_process_cannot_read', 'process_zero_alone'])
+def test_each_error_is_printed_by_the_process_that_finds_it(case, root, eval_data):
+    # Reference: the README ("Only process 0 prints"): an error of the files, by each process that finds it: a
+    # missing checkpoint by both processes, a data file that process 1 alone cannot read by process 1 (printed by
+    # process 0 alone, it was never printed: process 0 read it), an out_dir that process 0 alone creates and
+    # cannot (a file in its path) by process 0, once: the other's "process 0 stopped with an error" would say
+    # nothing more, and process 0 prints before the other leaves (torchrun stops every process once one exited)
+    extra, entry = [], AS_SCRIPT
     if case == 'no_checkpoint':
-        extra, error = ['--init_from=resume'], f"train.py: error: no checkpoint at {root / 'error_no_checkpoint'}"
-    elif case == 'data':
-        data = root / 'error_data'
-        shutil.copytree(eval_data(2), data)
-        with open(data / 'val.bin', 'ab') as f:
-            f.write(b'\0')  # an odd byte: not a whole number of uint16 tokens
-        error = f"train.py: error: {data / 'val.bin'} has "
+        extra, error, count = ['--init_from=resume'], f"no checkpoint at {root / 'error_no_checkpoint'}", 2
+    elif case == 'one_process_cannot_read':
+        entry, error, count = ONE_CANNOT_READ, 'train.bin cannot be read: Permission denied', 1
     else:
         (root / 'error_file').write_text('a file, not a directory')
-        extra = [f"--out_dir={root / 'error_file' / 'out'}"]
-    r = run(2, root / f'error_{case}', data, '--gradient_accumulation_steps=2', *extra, timeout=HANG_TIMEOUT)
+        extra, error, count = [f"--out_dir={root / 'error_file' / 'out'}"], 'out_dir ', 1
+    r = Launch(2, root / f'error_{case}', eval_data(2), '--gradient_accumulation_steps=2', *extra,
+               entry=entry).wait(HANG_TIMEOUT)
     assert r.rc != 0 and not r.timed_out, r.describe()
-    assert r.output.count(error) == 1 and r.output.count('train.py: error:') == 1, r.describe()
+    printed = re.findall(r'^train\.py: error: (.*)$', r.output, re.M)
+    assert len(printed) == count and all(error in line for line in printed), r.describe()
     assert 'process 0 stopped' not in r.output, r.describe()  # (torchrun's own traceback follows: its workers failed)
 
 
-@pytest.mark.parametrize('rank, local_rank, printed', [('0', '0', True), ('2', '0', True), ('3', '1', False)])
-def test_a_config_error_is_printed_by_the_first_process_of_each_node(tmp_path, rank, local_rank, printed):
+@pytest.mark.parametrize('rank, local_rank, world, printed', [('0', '0', '4', True), ('2', '0', '4', True),
+                                                             ('3', '1', '4', False), (None, '1', None, True)])
+def test_a_config_error_is_printed_by_the_first_process_of_each_node(tmp_path, rank, local_rank, world, printed):
     # Reference: the environment torchrun gives process 2 of 4 on two nodes of two (RANK 2, LOCAL_RANK 0): a config
     # error can be one node's alone (a device it lacks), and each node's log is its own, so its first process
-    # prints it; the node's others exit 1 silently. (Before, only RANK 0 printed: node 2's log said nothing.)
-    env = {**os.environ, 'RANK': rank, 'LOCAL_RANK': local_rank, 'WORLD_SIZE': '4'}
+    # prints it; the node's others exit 1 silently. (Before, only RANK 0 printed: node 2's log said nothing.) A
+    # plain run that inherited a LOCAL_RANK from its job's environment, without torchrun's WORLD_SIZE, prints it.
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')}
+    env.update({k: v for k, v in (('RANK', rank), ('LOCAL_RANK', local_rank), ('WORLD_SIZE', world)) if v})
     proc = subprocess.run([sys.executable, os.path.join(HERE, 'train.py'), '--learning_rat=1e-3',
                            f'--out_dir={tmp_path}'], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

@@ -202,25 +202,13 @@ START_KEYS = ('zero_init_proj', 'eval_at_start')
 
 
 class TrainError(RuntimeError):
-    """A problem with the run's inputs: reported as one clear message, without a traceback. Under torchrun each
-    process prints its own, except one raised alike by every process of a node (every_process, set by
-    alike_in_every_process): that node's first process prints it, as it does a config error."""
-    every_process = False
+    """A problem with the run's inputs: reported as one clear message, without a traceback (report_error). Under
+    torchrun each process prints its own: an error may be one process's alone (a file it cannot read)."""
 
 
 class PeerError(TrainError):
-    """This process stops because another one failed, which prints why: nothing to print here."""
-
-
-@contextmanager
-def alike_in_every_process():
-    """Marks the TrainErrors raised inside as every process's alike: checks of the config and the files (data,
-    checkpoint, a Hugging Face model), which every process of a node makes in the same order on the same files."""
-    try:
-        yield
-    except TrainError as e:
-        e.every_process = True
-        raise
+    """This process stops because process 0 failed in work of its own (on_master), which it prints: nothing to
+    print here."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1060,7 +1048,10 @@ def on_master(r, work):
         except TrainError as e:
             error = e
     if not agree(error is None, r.device):
-        raise error or PeerError("process 0 stopped with an error (it prints it)")
+        if error is None:
+            raise PeerError("process 0 stopped with an error (it prints it)")
+        error.peers_wait = True  # every process raises here: under torchrun the others wait for its print (main)
+        raise error
 
 
 def peak_memory_mb(device_type):
@@ -1297,6 +1288,12 @@ def main(argv):
         if world > 1:
             dist.barrier()  # leave together: no process tears down the group while another still uses it
         return code
+    except (ConfigError, TrainError) as e:
+        if world > 1:  # printed now, before the teardown below: torchrun stops every process once one has exited
+            report_error(e)
+            if isinstance(e, PeerError) or getattr(e, 'peers_wait', False):
+                dist.barrier()  # the others leave once process 0 has printed its error (on_master)
+        raise
     finally:
         restore()  # as it was: tests call main in-process
         if dist.is_initialized():
@@ -1338,19 +1335,18 @@ def setup(cfg, argv, device, rank, world):
     r.scaler = torch.amp.GradScaler(device_type, enabled=(r.dtype == 'float16'))
 
     # ---- data, checked before anything is built
-    with alike_in_every_process():
-        model_args = model_shape(cfg, argv)
-        r.meta = meta = read_meta(cfg.data_dir)
-        r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
-        if r.vocab < meta['vocab_size']:
-            theirs = f"the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/meta.json)"
-            if is_hf(cfg):  # the model's, which no vocab_size flag may change (model_shape)
-                path = cfg.init_from[3:]
-                raise TrainError(f"the model's vocab_size={r.vocab} ({path}/config.json) is smaller than {theirs}: "
-                                 f"finetune on data prepared with the model's tokenizer{tokenizer_advice(path)}")
-            raise TrainError(f"vocab_size={r.vocab} is smaller than {theirs}")
-        train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
-        val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
+    model_args = model_shape(cfg, argv)
+    r.meta = meta = read_meta(cfg.data_dir)
+    r.vocab = model_args['vocab_size'] or 64 * math.ceil(meta['vocab_size'] / 64)
+    if r.vocab < meta['vocab_size']:
+        theirs = f"the dataset's vocabulary ({meta['vocab_size']}, {cfg.data_dir}/meta.json)"
+        if is_hf(cfg):  # the model's, which no vocab_size flag may change (model_shape)
+            path = cfg.init_from[3:]
+            raise TrainError(f"the model's vocab_size={r.vocab} ({path}/config.json) is smaller than {theirs}: "
+                             f"finetune on data prepared with the model's tokenizer{tokenizer_advice(path)}")
+        raise TrainError(f"vocab_size={r.vocab} is smaller than {theirs}")
+    train_tokens = load_tokens(cfg.data_dir, 'train', meta, cfg.block_size, r.vocab)
+    val_tokens = load_tokens(cfg.data_dir, 'val', meta, cfg.block_size, r.vocab)
     r.batches = Batches(train_tokens, cfg.batch_size, cfg.block_size, device, cfg.seed,
                         cfg.gradient_accumulation_steps, rank, world)
     r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
@@ -1404,8 +1400,7 @@ def setup(cfg, argv, device, rank, world):
         r.grad_sync = lambda last: model.set_requires_gradient_sync(last) or nullcontext()
         r.parallel_note = f'FSDP2, {world} processes'
 
-    with alike_in_every_process():  # (its only error of process 0's alone, truncate_metrics', is printed by it)
-        ckpt = start_or_resume(r)
+    ckpt = start_or_resume(r)
     # ---- optimizer, built after the weights are loaded (the CPU-offload optimizer copies them)
     r.optimizer = configure_optimizer(model, cfg, device_type)
     if ckpt is not None and ckpt['optimizer'] is not None:
@@ -2089,17 +2084,25 @@ def train_loop(r):
         return 0
 
 
+def report_error(e):
+    """Print a ConfigError or TrainError once, as one write of the whole line (sys.exit(message) writes the newline
+    apart): under torchrun the processes share stderr, and two processes' errors would otherwise run together on one
+    line. Under torchrun a config error is every process's alike, or at least every process's of one node (a device
+    it lacks): each node's first process prints it, in that node's log. A TrainError can be one process's alone:
+    each prints its own, but a PeerError, whose process stops because process 0 failed (it prints why)."""
+    if getattr(e, 'reported', False) or isinstance(e, PeerError):
+        return
+    e.reported = True
+    if isinstance(e, ConfigError) and int(os.environ.get('WORLD_SIZE', 1)) > 1 \
+            and os.environ.get('LOCAL_RANK', '0') != '0':
+        return
+    sys.stderr.write(f"train.py: error: {e}\n")
+    sys.stderr.flush()
+
+
 if __name__ == '__main__':
     try:
         sys.exit(main(sys.argv[1:]))
     except (ConfigError, TrainError) as e:
-        # one write of the whole line (sys.exit(message) writes the newline apart): under torchrun the
-        # processes share stderr, and two processes' errors would otherwise run together on one line. A config
-        # error is every process's alike, or at least every process's of one node (a device it lacks): each node's
-        # first process prints it, in that node's log; so are the checks of the files (alike_in_every_process).
-        # A PeerError's process stops because another failed, which prints why
-        alike = isinstance(e, ConfigError) or e.every_process
-        if not isinstance(e, PeerError) and (not alike or os.environ.get('LOCAL_RANK', '0') == '0'):
-            sys.stderr.write(f"train.py: error: {e}\n")
-            sys.stderr.flush()
+        report_error(e)
         sys.exit(1)
