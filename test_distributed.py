@@ -587,6 +587,12 @@ def test_three_processes_each_get_their_own_rng_state(start, root, data, request
     assert len(rng) == 3, r.describe()
     for i, j in ((0, 1), (0, 2), (1, 2)):
         assert not torch.equal(rng[i], rng[j]), (start, i, j)
+    # the seeds themselves (dropout 0: nothing draws from them before the save): a new process of a resume at
+    # iteration 3 seeded as a scratch run's would repeat that run's first masks
+    seed = r.ckpt()['config']['seed']
+    for rank in (1, 2):
+        want = seed + rank + (3 if start == 'resume_1to3' else 0)
+        assert torch.equal(rng[rank], torch.Generator().manual_seed(want).get_state()), (start, rank)
 
 
 # ----------------------------------------------------------------------------------------------------

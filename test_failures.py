@@ -981,6 +981,21 @@ def test_resume_counts_the_tokens_each_iteration_took(data, tmp_path):
     assert load(out / 'ckpt.pt')['tokens'] == 320 + 64
 
 
+def test_resume_of_a_checkpoint_from_before_the_token_count_counts_its_own_batch(data, tmp_path):
+    # Reference: tokens by hand. A checkpoint without 'tokens' (written before train.py counted them): its 2
+    # iterations took 4 x 8 tokens each, by its own config's batch, not by the resumed run's 8 x 8 (which would give
+    # 128 at iteration 2); from there 64 per iteration
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    ckpt = load(out / 'ckpt.pt')
+    del ckpt['tokens']
+    torch.save(ckpt, out / 'ckpt.pt')
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume',
+                           '--batch_size=8')) == 0
+    tokens = {r['iter']: r['tokens'] for r in read_metrics(out)}
+    assert tokens == {0: 0, 1: 32, 2: 64, 3: 64 + 64, 4: 64 + 128}
+
+
 @pytest.mark.parametrize('change', ['data_dir', '--seed=2', '--eval_iters=3', '--batch_size=2'])
 def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_path, monkeypatch, capsys, save_log,
                                                                      change):
@@ -1131,6 +1146,11 @@ def bad_data(kind, d):
         tokens[-1] = 100
         write_data(d, vocab=84, val_tokens=tokens)
         return p('val.bin'), ['100', '84']
+    if kind == 'token-id-at-the-vocab-size':     # id 84, the first past meta's 84 ids (0 to 83; model 128)
+        tokens = np.random.default_rng(0).integers(0, 84, 2000)
+        tokens[7] = 84
+        write_data(d, vocab=84, train_tokens=tokens)
+        return p('train.bin'), ['id 84', '84 ids']
     if kind == 'meta-count-mismatch':
         write_data(d, n_train=2000, train_tokens=None)
         meta = json.load(open(p('meta.json')))
@@ -1172,9 +1192,9 @@ def bad_data(kind, d):
 
 
 BAD_DATA = ['missing-train.bin', 'missing-val.bin', 'missing-meta.json', 'train-shorter-than-block', 'val-empty',
-            'token-id-past-vocab', 'token-id-in-padding', 'meta-count-mismatch', 'odd-byte-count',
-            'meta-without-token-counts', 'meta-not-json', 'meta-wrong-values', 'meta-null', 'meta-without-chars',
-            'meta-short-chars']
+            'token-id-past-vocab', 'token-id-in-padding', 'token-id-at-the-vocab-size', 'meta-count-mismatch',
+            'odd-byte-count', 'meta-without-token-counts', 'meta-not-json', 'meta-wrong-values', 'meta-null',
+            'meta-without-chars', 'meta-short-chars']
 
 
 @pytest.mark.parametrize('kind', BAD_DATA)
@@ -1223,10 +1243,11 @@ def test_the_checkpoint_before_the_first_step_changes_nothing(data, tmp_path):
 
 
 def test_best_keeps_the_best_weights_and_ckpt_the_latest(data, tmp_path, monkeypatch, save_log):
-    # Evaluations at 0, 2, 4, 6, 8, 10 with val losses that go down to 3.0 at iteration 4, then up.
-    # Reference: the model's weights as each scripted evaluation saw them, and best.pt's bytes at its save.
+    # Evaluations at 0, 2, 4, 6, 8, 10 with val losses that go down to 3.0 at iteration 4, then up, and back to
+    # 3.0 at 8: a tie, not better, keeps iteration 4's. Reference: the model's weights as each scripted evaluation
+    # saw them, and best.pt's bytes at its save.
     out = tmp_path / 'out'
-    snaps = scripted_eval(monkeypatch, [5.0, 4.0, 3.0, 3.5, 4.0, 3.2])
+    snaps = scripted_eval(monkeypatch, [5.0, 4.0, 3.0, 3.5, 3.0, 3.2])
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=10')) == 0
     assert [it for name, it, _ in save_log if name == 'best.pt'] == [0, 2, 4]
     best_bytes = [b for name, it, b in save_log if name == 'best.pt'][-1]
@@ -1237,7 +1258,7 @@ def test_best_keeps_the_best_weights_and_ckpt_the_latest(data, tmp_path, monkeyp
     assert latest['iter_num'] == 10 and latest['best_val_loss'] == 3.0
     assert_same(latest['model'], snaps[5], 'ckpt.pt model vs weights at iteration 10')
     assert not torch.equal(best['model']['wte.weight'], latest['model']['wte.weight'])
-    assert [r['val_loss'] for r in read_metrics(out) if 'val_loss' in r] == [5.0, 4.0, 3.0, 3.5, 4.0, 3.2]
+    assert [r['val_loss'] for r in read_metrics(out) if 'val_loss' in r] == [5.0, 4.0, 3.0, 3.5, 3.0, 3.2]
 
     # resumed: the best val loss comes from the checkpoint, so a worse evaluation (3.1 at 12) does not
     # overwrite best.pt, and a better one (2.0 at 14) does

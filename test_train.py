@@ -473,8 +473,10 @@ def test_vocab_limit_masks_padding_ids():
     # Reference: argmax over the allowed ids only; the padding ids are made the most likely ones.
     logits = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0))
     logits[:, 40:] += 10.0
-    greedy = sample_next(logits.clone(), 0, vocab_limit=40).squeeze(1)
+    given = logits.clone()
+    greedy = sample_next(given, 0, vocab_limit=40).squeeze(1)
     assert torch.equal(greedy, logits[:, :40].argmax(-1))
+    assert torch.equal(given, logits)  # the caller's logits as they were: the mask is on a copy
     g = torch.Generator().manual_seed(0)
     for kwargs in ({}, {'top_p': 0.9}, {'top_k': 50}):
         assert sample_next(logits.clone(), 1.0, vocab_limit=40, generator=g, **kwargs).max() < 40
@@ -484,6 +486,24 @@ def test_vocab_limit_masks_padding_ids():
     out = model.generate(torch.zeros(1, 3, dtype=torch.long), 40, vocab_limit=40,
                          generator=torch.Generator().manual_seed(0))
     assert out[:, 3:].max() < 40
+
+
+@pytest.mark.parametrize('old, new, changed', [
+    (dict(eval_iters=2, batch_size=4, seed=1), dict(eval_iters=2, batch_size=8, seed=2), ['batch_size', 'seed']),
+    # every window of the val split, in order, both times: the batch and the seed change nothing measured
+    (dict(eval_iters=0, batch_size=4, seed=1), dict(eval_iters=0, batch_size=8, seed=2), []),
+    # from every window to sampled batches (and back): the batch and the seed matter on the sampled side
+    (dict(eval_iters=0, batch_size=4, seed=1), dict(eval_iters=3, batch_size=8, seed=2),
+     ['eval_iters', 'batch_size', 'seed']),
+    (dict(eval_iters=3, batch_size=4, seed=1), dict(eval_iters=0, batch_size=4, seed=1), ['eval_iters']),
+])
+def test_eval_changes_names_what_the_val_loss_measures(tmp_path, old, new, changed):
+    # Reference: EVAL_KEYS by hand; data_dir compared by the directory it names, not its spelling
+    (tmp_path / 'd').mkdir()
+    same = {'data_dir': str(tmp_path / 'd'), 'block_size': 8}
+    respelt = {'data_dir': str(tmp_path / '.' / 'd') + '/', 'block_size': 8}
+    assert train.eval_changes({**old, **same}, {**new, **respelt}) == changed
+    assert train.eval_changes({**old, **same}, {**new, **same, 'data_dir': str(tmp_path)}) == ['data_dir', *changed]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2106,6 +2126,12 @@ def test_get_lr_wsd_schedule():
     whole = opt_cfg(learning_rate=1.0, min_lr=0.0, warmup_iters=10, lr_decay_iters=110, lr_schedule='wsd',
                     wsd_decay_frac=1.0)
     assert get_lr(10, whole) == 1.0 and math.isclose(get_lr(60, whole), 0.5)
+    # a fraction that is no whole number of iterations: the nearest (0.17 x 110 = 18.7: the last 19, from 91)
+    odd = opt_cfg(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, lr_schedule='wsd',
+                  wsd_decay_frac=0.17)
+    for it in range(85, 111):
+        want = 1.0 - 0.9 * max(0, it - 91) / 19
+        assert math.isclose(get_lr(it, odd), want, rel_tol=1e-12, abs_tol=1e-12), it
 
 
 @pytest.mark.parametrize('flag, key', [('--lr_schedule=linear', 'lr_schedule'),
