@@ -615,6 +615,18 @@ def test_out_of_memory_in_the_loop_stops_with_advice_and_the_last_checkpoint(dat
     assert read_bytes(out / 'ckpt.pt') == saved and it == (0 if where == 'evaluation' else 4)
 
 
+@pytest.mark.parametrize('world, parallelism, advised', [(1, 'ddp', True), (1, 'fsdp', True), (2, 'ddp', True),
+                                                         (2, 'fsdp', False)])
+def test_out_of_memory_advice_names_8bit_adamw_where_the_run_could_use_it(world, parallelism, advised):
+    # Reference: where adamw8bit runs: not under FSDP, which refuses optimizers other than AdamW; FSDP is in use only
+    # with more than one process (alone, parallelism='fsdp' has no effect: the run trains as one process)
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'batch_size': 1, 'parallelism': parallelism})
+    r = SimpleNamespace(cfg=cfg, device_type='cpu', model_config=model_module.GPTConfig(), dtype='float32',
+                        world=world)
+    message = train.memory_advice(RuntimeError('DefaultCPUAllocator: not enough memory'), r)
+    assert ('a new run with optimizer=adamw8bit' in message) == advised, message
+
+
 @pytest.mark.parametrize('dtype, model_args, fits', [
     ('bfloat16', {}, True), ('float16', {}, True), ('float32', {}, False),
     ('bfloat16', {'tie_embeddings': False}, False), ('bfloat16', {'head_dim': 32}, False)])

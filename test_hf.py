@@ -1119,7 +1119,10 @@ def test_export_writes_tiktoken_as_a_transformers_tokenizer(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
     assert tok.eos_token == '<|endoftext|>' and tok.eos_token_id == enc.eot_token
     assert tok.model_max_length == 48  # our_checkpoint's block_size
-    text = ''.join(corpus()) + ' 1024 12345678 ÀÉ 日本語 😀 <|endoftext|> \r\n\n  \t x  '
+    # every byte a UTF-8 text can hold goes through GPT-2's byte-to-character table (its printable ranges and the
+    # rest moved past 255): U+00AD and í hold byte 0xAD, 中 0xAD too (E4 B8 AD), the range's edges 0xA0, 0xAC, 0xAE
+    text = ''.join(corpus()) + ' 1024 12345678 ÀÉ 日本語 😀 <|endoftext|> \r\n\n  \t x  ' + \
+        ' María soft\xadhyphen 中文 \xa0\xac\xae\x7f\x01 ' + ''.join(map(chr, range(0x80, 0x800, 7)))
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == enc.encode(text, allowed_special='all')
     assert tok.decode(ids) == text

@@ -1102,6 +1102,11 @@ def test_muon_split_orthogonalizes_each_part_alone(n_kv_head, mlp):
     parts = model.fused_parts()
     hidden = {n: p for n, p in model.named_parameters() if n in hidden_names(model)}
     assert set(muon.parts) == set(parts) and len(parts) == 4
+    # the parts themselves, by hand: 2 heads of 32 channels, n_kv_head of them for k and v; SwiGLU's hidden 192
+    # (8/3 x 64 up to a multiple of 64) for gate and up (the reference below cuts its pieces by these)
+    for block in model.blocks:
+        assert parts[block.attn.qkv.weight] == [64, 32 * n_kv_head, 32 * n_kv_head]
+        assert parts[block.mlp.up.weight] == [192, 192]
     gen = torch.Generator().manual_seed(1)
     grads = []
     for _ in range(2):
@@ -1231,3 +1236,17 @@ def test_a_wsd_decay_shorter_than_one_iteration_holds_learning_rate_to_lr_decay_
                   wsd_decay_frac=0.01)
     train.check_config(cfg)
     assert [train.get_lr(it, cfg) for it in range(2, 14)] == [1.0] * 8 + [0.1] * 4
+
+
+def test_state_where_lists_the_places_largest_first():
+    # Reference: the shares by hand: 100 float32 values on the CPU (400 bytes), 10 in bitsandbytes' paged buffers
+    # (40 bytes), 5 bf16 values on the CPU (10 bytes): 410 of 450 bytes in CPU memory, 40 paged; largest first, each
+    # to 3 significant figures. (On the GPU the paged share is the larger: test_cuda.py.)
+    paged = torch.zeros(10)
+    paged.is_paged = True
+    opt = SimpleNamespace(state={'a': {'exp_avg': torch.zeros(100), 'step': 3}, 'b': {'state1': paged},
+                                 'c': {'m': torch.zeros(5, dtype=torch.bfloat16)}})
+    assert train.state_where(opt) == '91.1% CPU memory, 8.89% paged CUDA managed memory'
+    opt.state['b']['state1'] = paged = torch.zeros(1000)
+    paged.is_paged = True
+    assert train.state_where(opt) == '90.7% paged CUDA managed memory, 9.3% CPU memory'  # 4,000 and 410 of 4,410

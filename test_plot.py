@@ -82,6 +82,11 @@ def test_series_are_the_records_fields():
     # zeros are values (a schedule that starts or ends at lr 0); only null is left out
     zeros = plot.series([{'iter': 0, 'tokens': 0, 'loss': 0.0, 'lr': 0.0, 'tokens_per_sec': 0.0}])
     assert zeros == {k: ([0], [0], [0.0]) for k in ('loss', 'lr', 'tokens_per_sec')}
+    # a null is no point (a grad norm that was not finite, a step's loss left out): the curve goes on around it
+    nulls = plot.series([{'iter': 1, 'tokens': 8, 'loss': 3.9, 'grad_norm': None},
+                         {'iter': 2, 'tokens': 16, 'loss': None, 'grad_norm': 1.5},
+                         {'iter': 3, 'tokens': 24, 'loss': 3.7, 'grad_norm': None}])
+    assert nulls == {'loss': ([1, 3], [8, 24], [3.9, 3.7]), 'grad_norm': ([2], [16], [1.5])}
 
 
 def test_cli_overlays_runs_in_one_png(tmp_path, monkeypatch, capsys):

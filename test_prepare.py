@@ -761,6 +761,19 @@ def test_utf16_and_utf32_files_are_refused_naming_them(tmp_path, kind, encoding,
     assert not (tmp_path / 'out').exists()
 
 
+def test_utf16_without_a_byte_order_mark_is_refused_by_its_nul_bytes():
+    # Reference: check_start's rule, a quarter of the first bytes NUL or more, counted here. UTF-16 of text that is
+    # not all ASCII has fewer NULs than half: this one, 27 of 64 (42%), as a BOM-less file of Japanese and English
+    # would start; 16 of 64 is refused, 15 of 64 is not (a UTF-8 file with a few NULs is still read)
+    head = 'Tokyo 東京都 is big. Kyoto 京都 too. '.encode('utf-16-le')
+    assert head.count(0) == 27 and len(head) == 64
+    with pytest.raises(ValueError, match='27 of its first 64 bytes are NUL'):
+        prepare_data.check_start('f.txt', head)
+    with pytest.raises(ValueError, match='16 of its first 64 bytes are NUL'):
+        prepare_data.check_start('f.txt', b'\0' * 16 + b'a' * 48)
+    assert prepare_data.check_start('f.txt', b'\0' * 15 + b'a' * 49) == 0
+
+
 def test_a_binary_file_is_refused_as_not_text(tmp_path):
     # Reference: a character-level token file as prepare_data.py writes one (uint16 ids below 256: every high byte NUL)
     bad = tmp_path / 'train.bin'

@@ -1040,7 +1040,8 @@ def test_help_into_a_pipe_closed_early_ends_quietly():
 
 def test_help_shows_the_comment_beside_each_default(tmp_path, capsys):
     # Reference: the comments written in the source below, by hand: a key's first line only, continued by the
-    # comment-only lines under it at its column (not by one at another column, nor across a line of code)
+    # comment-only lines under it at its column (not by one at another column, left or right, nor across a line of
+    # code)
     src = tmp_path / 'script.py'
     src.write_text("""
 \"\"\"a = 9  # not code: a docstring\"\"\"
@@ -1048,6 +1049,7 @@ a = 1          # the first
                # and its second line
                # and its third
 b = 'x'        # one line
+                 # deeper than b's: not its continuation
 # a section heading
 c = 2.0
 d = dict(
@@ -1230,6 +1232,17 @@ def test_another_scripts_config_file_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"unknown config key 'top_kk' in config file '{typo}'; did you "
                                                     f"mean 'top_k'?")):
         configure(sample.DEFAULTS, [str(typo)])
+    # the rule at its edges: two typos of three keys are typos (more than two unknown keys, and more than half of
+    # the file, make another script's); three of five are another script's
+    two = tmp_path / 'two.py'
+    two.write_text("out_dir = 'x'\nnum_sample = 2\ntop_kk = 5\n")
+    with pytest.raises(ConfigError, match="unknown config key 'num_sample'.*did you mean 'num_samples'"):
+        configure(sample.DEFAULTS, [str(two)])
+    three = tmp_path / 'three.py'
+    three.write_text("out_dir = 'x'\nnum_samples = 2\nalpha = 1\nbeta = 2\ngamma = 3\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{three}' sets 3 keys this script does not have "
+                                                    f"(alpha, beta, gamma): another script's config?")):
+        configure(sample.DEFAULTS, [str(three)])
 
 
 # ----------------------------------------------------------------------------------------------------
