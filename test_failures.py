@@ -1952,6 +1952,7 @@ def test_a_setting_that_this_run_does_not_read_is_a_warning(data, tmp_path, caps
     (['--short_block_iters=5'], 'short_block_iters=5 has no effect: short_block_size=0'),
     (['--short_block_size=4', '--short_block_iters=2'], 'short_block_iters=2 covers all max_iters=2 iterations'),
     (['--short_block_size=4', '--short_block_iters=1'], None),
+    (['--short_block_size=4', '--short_block_iters=2', '--max_iters=0'], None),  # no step: no short window either
 ])
 def test_a_short_block_setting_that_cannot_work_as_meant_is_a_warning(data, tmp_path, capsys, flags, want):
     # Reference: the flags given. Short windows need both a length and a number of iterations (one alone changes
@@ -2024,6 +2025,41 @@ def test_a_run_that_does_nothing_is_a_warning(data, tmp_path, capsys, flags, wan
     logged = read_metrics(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / 'metrics.jsonl') else []
     assert bool(want) == (not [r for r in logged if 'val_loss' in r])
     assert load(tmp_path / 'out' / 'ckpt.pt')['iter_num'] == (3 if '--max_iters=3' in flags else 0)  # as it says
+
+
+def test_a_resume_with_nothing_to_do_is_not_warned_as_a_new_run(data, tmp_path, capsys):
+    # Reference: the warning's own words, which hold for a new run (it writes its initial weights, moves an earlier
+    # run aside): a resume with max_iters=0 and eval_at_start=False does neither (nothing to train, said as such)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--max_iters=2')) == 0
+    saved = read_bytes(out / 'ckpt.pt')
+    capsys.readouterr()
+    assert train.main(args(data, out, '--max_iters=0', '--eval_at_start=False', '--init_from=resume')) == 0
+    captured = capsys.readouterr()
+    assert 'neither trains nor evaluates' not in captured.err and 'nothing to train' in captured.out
+    assert read_bytes(out / 'ckpt.pt') == saved
+
+
+def test_a_resume_without_the_shape_flags_of_its_start_is_refused(data, tmp_path):
+    # Reference: train.py's docstring: a resume is refused on another shape; only a run started from hf: keeps its
+    # checkpoint's shape. A scratch run of 2 layers resumed without --n_layer (the config's default: 12) is another
+    # shape, named, and its checkpoint stays as it was
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--max_iters=2', '--n_layer=2')) == 0
+    saved = read_bytes(out / 'ckpt.pt')
+    flags = [f for f in args(data, out, '--max_iters=4', '--init_from=resume') if not f.startswith('--n_layer=')]
+    with pytest.raises(train.TrainError, match=r'another shape than this config:\n  n_layer: 2 -> 12'):
+        train.main(flags)
+    assert read_bytes(out / 'ckpt.pt') == saved
+
+
+def test_a_cuda_device_index_past_the_last_is_an_error(monkeypatch):
+    # Reference: CUDA's indices run from 0 to the count less 1: with 2 devices cuda:1 is one, cuda:2 is not
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    train.check_device('cuda:1')
+    with pytest.raises(ConfigError, match="device='cuda:2'"):
+        train.check_device('cuda:2')
 
 
 EDGES = {  # valid values at the edge of their range; the zeros (each with its meaning of 0) share a run

@@ -186,6 +186,9 @@ def test_main_scores_a_checkpoint_and_names_the_items_left_out(tmp_path, checkpo
     ('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x", "y"], "label": 2}',
      "line 2: label 2 is not the index of one of its 2 endings"),
     ('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": "xy", "label": 0}', 'line 2: expected text in'),
+    # one ending is no choice: always right, it would raise both accuracies
+    ('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x"], "label": 0}',
+     'line 2: expected text in activity_label, ctx_a and ctx_b, and a list of at least two endings'),
 ])
 def test_a_line_that_is_not_an_item_is_named(tmp_path, line, error):
     path = tmp_path / 'val.jsonl'

@@ -643,6 +643,16 @@ def test_fp8_filter_rejects_dims_not_multiple_of_16_and_the_head(recipe):
     assert not keep(emb, 'wte')
 
 
+def test_fp8_tensorwise_filter_at_the_edges_of_its_table():
+    # Reference: tensorwise's threshold from torchao's H100 tables, as fp8_layer_filter takes it: a layer is kept
+    # unless K <= 4096 and N <= 1024 (too small for FP8 to win); the edge, and one step of 16 past each side
+    keep = train.fp8_layer_filter('tensorwise')
+    with torch.device('meta'):
+        layers = {(N, K): nn.Linear(K, N, bias=False) for N, K in ((1024, 4096), (1040, 4096), (1024, 4112))}
+    assert not keep(layers[1024, 4096], 'blocks.0.mlp.down')
+    assert keep(layers[1040, 4096], 'blocks.0.mlp.down') and keep(layers[1024, 4112], 'blocks.0.mlp.down')
+
+
 def test_fp8_layers_cast_the_weight_to_autocasts_dtype_first_under_compile(monkeypatch):
     # Reference: torchao's own Float8Linear. Under compile and autocast, train.py's FP8 layer computes what it
     # computes from a copy of the weight in autocast's dtype, bf16 or fp16 (as FSDP's bf16 policy hands it over):

@@ -2274,6 +2274,20 @@ def test_metrics_time_s_and_whole_split_val_loss(speedrun_run):
     assert evals[-1]['val_loss'] == pytest.approx(windows_reference(model.eval(), tokens, 16), rel=1e-5)
 
 
+def test_evaluations_draw_their_own_windows_not_the_training_steps():
+    # Reference: the seeds as train.py gives them: the train split's evaluation seed + 1, val's seed + 2; the
+    # training draw has seed itself. Evaluated on the training draw's own windows, the "train loss" would be that of
+    # the windows the first steps trained on
+    tokens = np.arange(5000, dtype=np.uint16)
+    cfg = SimpleNamespace(eval_iters=2, batch_size=3, block_size=8, seed=7)
+    splits = train.eval_splits(cfg, tokens, tokens, 'cpu', 0, 1)
+    assert [splits[k].seed for k in ('train', 'val')] == [8, 9]
+    steps = train.Batches(tokens, 3, 8, 'cpu', 7, groups=2)
+    first = next(splits['train'].eval_batches())[0]
+    assert not torch.equal(first, steps.next()[0])
+    assert torch.equal(first, train.Batches(tokens, 3, 8, 'cpu', 8, groups=2).next()[0])
+
+
 def test_bits_per_byte_of_an_evaluation_are_its_nats_over_the_utf8_bytes_of_its_targets(tmp_path):
     # Reference: text of 1-, 2- and 4-byte characters; by hand from the checkpoint, window by window, the summed
     # cross-entropy over every target of val.bin's windows (eval_iters=0), in bits, over the UTF-8 bytes of those
@@ -2300,6 +2314,11 @@ def test_bits_per_byte_of_an_evaluation_are_its_nats_over_the_utf8_bytes_of_its_
                                                                    rel=1e-5)
     assert f"iter 4: val loss {last['val_loss']:.4f}, val bpb {last['val_bpb']:.4f}\n" in printed.getvalue()
     assert '\nbits per byte = eval loss / ln 2 / bytes per token (val ' in printed.getvalue()
+    # the bytes per token it names: those of every whole window's targets, by hand (here more than 1: the line's
+    # inverse, tokens per byte, would be less)
+    per_token = n_bytes[targets].sum() / len(targets)
+    assert per_token > 1.2
+    assert f"bytes per token (val {per_token:.3f})\n" in printed.getvalue()
 
     printed = io.StringIO()
     with redirect_stdout(printed):
