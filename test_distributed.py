@@ -673,27 +673,33 @@ ONE_CANNOT_READ = '''if rank == 1:
 ''' + AS_SCRIPT
 
 
-@pytest.mark.parametrize('case', ['no_checkpoint', 'one_process_cannot_read', 'process_zero_alone'])
+@pytest.mark.parametrize('case', ['no_checkpoint', 'one_process_cannot_read', 'process_zero_alone', 'nonfinite'])
 def test_each_error_is_printed_by_the_process_that_finds_it(case, root, eval_data):
     # Reference: the README ("Only process 0 prints"): an error of the files, by each process that finds it: a
     # missing checkpoint by both processes, a data file that process 1 alone cannot read by process 1 (printed by
-    # process 0 alone, it was never printed: process 0 read it), an out_dir that process 0 alone creates and
-    # cannot (a file in its path) by process 0, once: the other's "process 0 stopped with an error" would say
-    # nothing more, and process 0 prints before the other leaves (torchrun stops every process once one exited)
+    # process 0 alone, it was never printed: process 0 read it; and process 0, left alone in a collective, prints no
+    # traceback), an out_dir that process 0 alone creates and cannot (a file in its path) by process 0, once: the
+    # other's "process 0 stopped with an error" would say nothing more, and process 0 prints before the other leaves
+    # (torchrun stops every process once one exited). A stop that both processes agree on (non-finite steps, whose
+    # losses and norms they share), once
     extra, entry = [], AS_SCRIPT
     if case == 'no_checkpoint':
         extra, error, count = ['--init_from=resume'], f"no checkpoint at {root / 'error_no_checkpoint'}", 2
     elif case == 'one_process_cannot_read':
         entry, error, count = ONE_CANNOT_READ, 'train.bin cannot be read: Permission denied', 1
-    else:
+    elif case == 'process_zero_alone':
         (root / 'error_file').write_text('a file, not a directory')
         extra, error, count = [f"--out_dir={root / 'error_file' / 'out'}"], 'out_dir ', 1
+    else:  # AdamW's steps of 1e30 make the weights overflow: NaN gradients from the second step on
+        extra = ['--learning_rate=1e30', '--max_nonfinite_steps=2', '--max_iters=8', '--eval_interval=100']
+        error, count = 'iteration 3: 2 consecutive steps with a non-finite loss or gradient; stopping.', 1
     r = Launch(2, root / f'error_{case}', eval_data(2), '--gradient_accumulation_steps=2', *extra,
                entry=entry).wait(HANG_TIMEOUT)
     assert r.rc != 0 and not r.timed_out, r.describe()
     printed = re.findall(r'^train\.py: error: (.*)$', r.output, re.M)
     assert len(printed) == count and all(error in line for line in printed), r.describe()
     assert 'process 0 stopped' not in r.output, r.describe()  # (torchrun's own traceback follows: its workers failed)
+    assert not re.search(r'File ".*train\.py", line', r.output), r.describe()
 
 
 @pytest.mark.parametrize('rank, local_rank, world, printed', [('0', '0', '4', True), ('2', '0', '4', True),

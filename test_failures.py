@@ -420,11 +420,16 @@ def test_signal_saves_and_prints_the_resume_command(data, tmp_path, capsys, sign
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+@pytest.mark.parametrize('local_rank', [None, '1'])
 def test_a_second_signal_stops_at_once_and_keeps_the_last_checkpoint(data, tmp_path, monkeypatch, capfd, save_log,
-                                                                      signum):
+                                                                      signum, local_rank):
     # Reference: ckpt.pt's bytes as saved at the evaluation at iteration 2. Both signals come during the evaluation
     # at 4 (one that could take minutes): the first would stop after it, the second stops the run there, 128 +
-    # signum, before anything is saved (it waited for the whole evaluation, then saved and exited).
+    # signum, before anything is saved (it waited for the whole evaluation, then saved and exited). A plain run that
+    # inherited a LOCAL_RANK from its environment (no torchrun: no WORLD_SIZE) says so as any plain run.
+    monkeypatch.delenv('WORLD_SIZE', raising=False)
+    if local_rank:
+        monkeypatch.setenv('LOCAL_RANK', local_rank)
     real, calls = train.estimate_loss, []
 
     def estimate_loss(*a, **k):
@@ -440,7 +445,9 @@ def test_a_second_signal_stops_at_once_and_keeps_the_last_checkpoint(data, tmp_p
     assert e.value.code == 128 + signum and len(calls) == 3
     assert [(name, it) for name, it, _ in save_log][-1] == ('ckpt.pt', 2)
     assert read_bytes(out / 'ckpt.pt') == save_log[-1][2] and not glob.glob(str(out / '*.tmp'))
-    assert f'{signal.Signals(signum).name} received again: stopping now, without saving' in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f'{signal.Signals(signum).name} received: stopping after this step or evaluation' in err
+    assert f'{signal.Signals(signum).name} received again: stopping now, without saving' in err
 
 
 def test_last_iteration_is_saved(data, tmp_path, save_log):

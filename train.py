@@ -207,8 +207,16 @@ class TrainError(RuntimeError):
 
 
 class PeerError(TrainError):
-    """This process stops because process 0 failed in work of its own (on_master), which it prints: nothing to
-    print here."""
+    """This process stops because another one stopped with an error that it prints: nothing to print here."""
+
+
+def stop_together(r, message):
+    """The error of a stop that every process makes at the same point, from figures they agreed on (a collective):
+    process 0's TrainError, which it prints, and the others' PeerError; both marked `together`: under torchrun every
+    process waits in main until process 0 has printed it (torchrun stops them all once one has exited)."""
+    error = TrainError(message) if r.master else PeerError(message)
+    error.together = True
+    return error
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1047,11 +1055,10 @@ def on_master(r, work):
             work()
         except TrainError as e:
             error = e
+            if r.world > 1:  # now: the others leave once they have this agreement, which comes after it
+                report_error(e)
     if not agree(error is None, r.device):
-        if error is None:
-            raise PeerError("process 0 stopped with an error (it prints it)")
-        error.peers_wait = True  # every process raises here: under torchrun the others wait for its print (main)
-        raise error
+        raise error or PeerError("process 0 stopped with an error (it prints it)")
 
 
 def peak_memory_mb(device_type):
@@ -1291,8 +1298,12 @@ def main(argv):
     except (ConfigError, TrainError) as e:
         if world > 1:  # printed now, before the teardown below: torchrun stops every process once one has exited
             report_error(e)
-            if isinstance(e, PeerError) or getattr(e, 'peers_wait', False):
-                dist.barrier()  # the others leave once process 0 has printed its error (on_master)
+            if getattr(e, 'together', False):
+                dist.barrier()  # the others leave once process 0 has printed it (stop_together)
+        raise
+    except RuntimeError as e:
+        if world > 1 and any(s in str(e) for s in PEER_GONE):  # in a collective: its error is the other's to print
+            raise PeerError(f"another process stopped: {e}") from None
         raise
     finally:
         restore()  # as it was: tests call main in-process
@@ -1918,7 +1929,7 @@ def tokens_per_iter(cfg):
 def save(r, *paths):
     """Checkpoint the run to each path. Every process takes part (FSDP gathers the shards); process 0 writes."""
     if not agree(weights_finite(r.model), r.device):
-        raise TrainError(f"iteration {r.iter_num}: the weights hold NaN/inf; not saving {', '.join(paths)}")
+        raise stop_together(r, f"iteration {r.iter_num}: the weights hold NaN/inf; not saving {', '.join(paths)}")
     rngs = [rng_state()]
     if r.world > 1:
         rngs = [None] * r.world
@@ -2016,7 +2027,7 @@ def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval and at the end, step, log; returns the
     exit code."""
     cfg, say, world = r.cfg, r.say, r.world
-    with stop_on_signals(notify=os.environ.get('LOCAL_RANK', '0') == '0') as stop:
+    with stop_on_signals(notify=world == 1 or os.environ.get('LOCAL_RANK', '0') == '0') as stop:
         if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
             set_rng_state(r.rng[r.rank])
         elif r.rng is not None:  # more processes than the checkpoint's run had
@@ -2048,10 +2059,10 @@ def train_loop(r):
                                    if not math.isfinite(value))  # else fp16's GradScaler found the overflow
                 say(f"iter {r.iter_num}: non-finite {bad or f'gradients (loss {loss}, gradient norm {norm})'}: "
                     f"step skipped ({bad_steps} in a row)", file=sys.stderr)
-                if bad_steps >= cfg.max_nonfinite_steps:
-                    raise TrainError(f"iteration {r.iter_num}: {bad_steps} consecutive steps with a non-finite loss "
-                                     f"or gradient; stopping. {last_checkpoint(r)}; lower learning_rate or check "
-                                     f"the data")
+                if bad_steps >= cfg.max_nonfinite_steps:  # (the losses and norms are every process's alike)
+                    raise stop_together(r, f"iteration {r.iter_num}: {bad_steps} consecutive steps with a non-finite "
+                                           f"loss or gradient; stopping. {last_checkpoint(r)}; lower learning_rate or "
+                                           f"check the data")
             elif r.iter_num % cfg.log_interval == 0:
                 loss, norm = torch.stack((loss, norm)).tolist()  # the one sync of a log step
                 n, dt = r.iter_num - t0_iter, time.time() - t0  # n >= 1: t0_iter is set before a step
@@ -2082,6 +2093,10 @@ def train_loop(r):
             save(r, r.ckpt_path)
         say(f"done: {r.iter_num} iterations, {best_val_text(r.best_val_loss)}; checkpoints in {cfg.out_dir}")
         return 0
+
+
+# what a collective raises (gloo) when another process has exited: after an error of its own, which it prints
+PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
 
 
 def report_error(e):
