@@ -2097,6 +2097,7 @@ def train_loop(r):
 
 # what a collective raises (gloo) when another process has exited: after an error of its own, which it prints
 PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
+CONFIG_ERROR_WAIT_S = 3  # under torchrun, how long the processes that leave a config error to another to print wait
 
 
 def report_error(e):
@@ -2110,6 +2111,9 @@ def report_error(e):
     e.reported = True
     if isinstance(e, ConfigError) and int(os.environ.get('WORLD_SIZE', 1)) > 1 \
             and os.environ.get('LOCAL_RANK', '0') != '0':
+        # torchrun stops every process once one has exited: this one waits, so that the first process of its node,
+        # which prints the error and may have started a second later, is not stopped before it has
+        time.sleep(CONFIG_ERROR_WAIT_S)
         return
     sys.stderr.write(f"train.py: error: {e}\n")
     sys.stderr.flush()
