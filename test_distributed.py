@@ -690,7 +690,8 @@ def test_each_error_is_printed_by_the_process_that_finds_it(case, root, eval_dat
     extra, entry = [], AS_SCRIPT
     if case == 'no_checkpoint':
         extra, error, count = ['--init_from=resume'], f"no checkpoint at {root / 'error_no_checkpoint'}", 2
-    elif case == 'one_process_cannot_read':
+    elif case == 'one_process_cannot_read':  # (process 0 then says that it lost process 1, if it can before torchrun
+        # stops it: not a traceback)
         entry, error, count = ONE_CANNOT_READ, 'train.bin cannot be read: Permission denied', 1
     elif case == 'process_zero_alone':
         (root / 'error_file').write_text('a file, not a directory')
@@ -701,7 +702,8 @@ def test_each_error_is_printed_by_the_process_that_finds_it(case, root, eval_dat
     r = Launch(2, root / f'error_{case}', eval_data(2), '--gradient_accumulation_steps=2', *extra,
                entry=entry).wait(HANG_TIMEOUT)
     assert r.rc != 0 and not r.timed_out, r.describe()
-    printed = re.findall(r'^train\.py: error: (.*)$', r.output, re.M)
+    printed = [line for line in re.findall(r'^train\.py: error: (.*)$', r.output, re.M)
+               if not line.startswith('lost the connection to another process (connection closed by peer): it')]
     assert len(printed) == count and all(error in line for line in printed), r.describe()
     assert 'process 0 stopped' not in r.output, r.describe()  # (torchrun's own traceback follows: its workers failed)
     assert not re.search(r'File ".*train\.py", line', r.output), r.describe()

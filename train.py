@@ -1302,8 +1302,10 @@ def main(argv):
                 dist.barrier()  # the others leave once process 0 has printed it (stop_together)
         raise
     except RuntimeError as e:
-        if world > 1 and any(s in str(e) for s in PEER_GONE):  # in a collective: its error is the other's to print
-            raise PeerError(f"another process stopped: {e}") from None
+        gone = next((s for s in PEER_GONE if s in str(e)), None) if world > 1 else None
+        if gone:  # in a collective: one line, not a traceback
+            raise TrainError(f"lost the connection to another process ({gone.lower()}): it may have stopped with an "
+                             f"error of its own, in its log") from None
         raise
     finally:
         restore()  # as it was: tests call main in-process
@@ -2095,7 +2097,8 @@ def train_loop(r):
         return 0
 
 
-# what a collective raises (gloo) when another process has exited: after an error of its own, which it prints
+# what a collective raises (gloo) when another process has exited (after an error of its own, which it prints) or
+# the connection dropped
 PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
 CONFIG_ERROR_WAIT_S = 3  # under torchrun, how long the processes that leave a config error to another to print wait
 
