@@ -882,6 +882,8 @@ def test_the_settings_a_mode_reads_are_not_refused(argv):
     ('--n_layer=-1', 'GPTConfig: n_layer=-1 must be positive'),
     ('--threads=-1', 'threads=-1: must be at least 0'),
     ('--seed=-1', 'seed=-1: must be between 0 and 2**63 - 1'),  # (it was numpy's traceback, where data is missing)
+    ('--seed=9223372036854775808', 'seed=9223372036854775808: must be between 0 and 2**63 - 1'),
+    ('--loss_chunk_tokens=-2', 'loss_chunk_tokens=-2: -1'),  # -1 (model.py's), 0 (the plain loss) or a size
     ('--device=foo', "device='foo': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     ('--device=cuda:7', "device='cuda:7', but this machine has")])
 def test_a_bad_setting_is_a_config_error_naming_it(flag, message):

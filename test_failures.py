@@ -2074,6 +2074,8 @@ EDGES = {  # valid values at the edge of their range; the zeros (each with its m
               '--min_lr=0', '--seed=0', '--lr_decay_iters=0', '--n_kv_head=0', '--vocab_size=0', '--eval_interval=1',
               '--head_dim=0', '--mlp_hidden=0'],
     'warmup_iters=0': ['--warmup_iters=0'], 'min_lr=learning_rate': ['--min_lr=1e-2'], 'max_iters=0': ['--max_iters=0'],
+    # the upper and the open edges: the largest seed, a WSD decay over all of lr_decay_iters, rope_base just over 1
+    'highest': ['--seed=9223372036854775807', '--lr_schedule=wsd', '--wsd_decay_frac=1', '--rope_base=1.0001'],
 }
 
 
@@ -2093,5 +2095,6 @@ def test_valid_edge_values_still_run(data, tmp_path, edge):
     lrs = [r['lr'] for r in lines if 'lr' in r]
     if edge == 'warmup_iters=0':
         assert lrs[0] == pytest.approx(1e-2, rel=1e-12)
-    if edge == 'min_lr=learning_rate':  # warmup over 2 iterations, then constant
+    if edge in ('min_lr=learning_rate', 'highest'):  # warmup over 2 iterations, then constant (WSD: its decay from
+        # the end of the warmup, at 0 of its 1 iteration)
         assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2], rel=1e-12)

@@ -1210,3 +1210,14 @@ def test_export_of_an_hf_tokenizer_without_its_config_names_the_eos_token(tmp_pa
     config = transformers.AutoConfig.from_pretrained(tmp_path / 'hf')
     assert (config.eos_token_id, config.bos_token_id) == (theirs.eos_token_id, None)
     assert theirs.encode('a b a', add_special_tokens=False) == [2, 3, 2]
+
+
+def test_tokenizer_advice_names_what_the_model_directory_holds(tmp_path):
+    # Reference: the files put there by hand: a tokenizer.json (prepare_data.py reads it as hf:PATH), else a
+    # character-level export's char_vocab.json, else nothing to advise
+    assert train.tokenizer_advice(str(tmp_path)) == ''
+    (tmp_path / 'char_vocab.json').write_text('{}')
+    assert train.tokenizer_advice(str(tmp_path)) == \
+        f" (character level, with the characters of {tmp_path}/char_vocab.json)"
+    (tmp_path / 'tokenizer.json').write_text('{}')
+    assert train.tokenizer_advice(str(tmp_path)) == f" (prepare_data.py --tokenizer=hf:{tmp_path})"

@@ -326,6 +326,25 @@ def test_fast_evaluations_redraw_at_most_every_plot_every_s(tmp_path, monkeypatc
     [previous] = glob.glob(str(out / 'previous-*'))
     assert open(os.path.join(previous, 'metrics.png'), 'rb').read() == first
 
+def test_plot_metrics_redraws_once_its_last_drawing_is_plot_every_s_old(tmp_path, monkeypatch):
+    # Reference: a clock by hand, PLOT_EVERY_S 30 from a start at 0: evaluations at 31 (30 s since the start: a
+    # drawing), 32 (1 s since it: none), 62 (31 s: a drawing), 70 (8 s: none), then the last (final: a drawing)
+    monkeypatch.setattr(train, 'PLOT_EVERY_S', 30)
+    clock = [0.0]
+    monkeypatch.setattr(train.time, 'time', lambda: clock[0])
+    drawn = []
+    monkeypatch.setattr(plot, 'draw', lambda runs, path: drawn.append(clock[0]))
+    monkeypatch.setattr(plot, 'read_metrics', lambda out_dir: [{'iter': 0, 'loss': 1.0}])
+    r = SimpleNamespace(master=True, plotted_at=0.0, cfg=SimpleNamespace(out_dir=str(tmp_path)),
+                        plot_path=str(tmp_path / 'metrics.png'))
+    for t in (31, 32, 62, 70):
+        clock[0] = t
+        train.plot_metrics(r)
+    clock[0] = 71
+    train.plot_metrics(r, final=True)
+    assert drawn == [31, 62, 71]
+
+
 # ----------------------------------------------------------------------------------------------------
 # train.py: wandb, and what train.py imports
 
