@@ -854,7 +854,7 @@ def device_kernels(events):
 
 def kernel_times(events):
     """From the profiler's events: each CUDA kernel's device time and calls by name, the time of each kind (a
-    kernel launched from inside Optimizer.step is the optimizer's, whatever its name), each name's kind, and
+    host call that launched a kernel decides first, whatever its name: launcher_kind), each name's kind, and
     the milliseconds that at least one kernel covers. CPU operators count only as launchers, never as time."""
     cuda = torch.autograd.DeviceType.CUDA
     spent, calls, shares, launched = (collections.Counter() for _ in range(4))

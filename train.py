@@ -2108,7 +2108,7 @@ def report_error(e):
     apart): under torchrun the processes share stderr, and two processes' errors would otherwise run together on one
     line. Under torchrun a config error is every process's alike, or at least every process's of one node (a device
     it lacks): each node's first process prints it, in that node's log. A TrainError can be one process's alone:
-    each prints its own, but a PeerError, whose process stops because process 0 failed (it prints why)."""
+    each prints its own, but a PeerError, whose process stops because another stopped with an error it prints."""
     if getattr(e, 'reported', False) or isinstance(e, PeerError):
         return
     e.reported = True
