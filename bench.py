@@ -857,7 +857,8 @@ def kernel_times(events):
     host call that launched a kernel decides first, whatever its name: launcher_kind), each name's kind, and
     the milliseconds that at least one kernel covers. CPU operators count only as launchers, never as time."""
     cuda = torch.autograd.DeviceType.CUDA
-    spent, calls, shares, launched = (collections.Counter() for _ in range(4))
+    spent, calls, shares = (collections.Counter() for _ in range(3))
+    launched = collections.defaultdict(collections.Counter)  # name -> time by kind, of the kernels a launcher decides
     busy, end = 0.0, -math.inf
     for e in device_kernels(events):
         start, stop = max(e.time_range.start, end), e.time_range.end  # the union of the kernels' intervals
@@ -865,14 +866,13 @@ def kernel_times(events):
         spent[e.name] += e.time_range.elapsed_us()
         calls[e.name] += 1
     for e in events:  # the CPU calls that launched kernels (Kernel: name, device, duration)
-        if e.device_type != cuda and e.kernels and launcher_kind(e):
+        if e.device_type != cuda and e.kernels and (launcher := launcher_kind(e)):
             for k in e.kernels:
-                launched[k.name, kind_in(k.name, launcher_kind(e))] += k.duration
+                launched[k.name][kind_in(k.name, launcher)] += k.duration
     by_name = collections.defaultdict(collections.Counter)  # name -> its time by kind
     for name, t in spent.items():
-        for (launched_name, kind), us in launched.items():
-            if launched_name == name:
-                by_name[name][kind] += min(us, t - sum(by_name[name].values()))
+        for kind, us in launched[name].items():
+            by_name[name][kind] += min(us, t - sum(by_name[name].values()))
         by_name[name][kind_of(name)] += t - sum(by_name[name].values())  # launched where its name decides
     for times in by_name.values():
         shares.update(times)

@@ -2029,7 +2029,7 @@ def train_loop(r):
     """The training loop: evaluate and checkpoint every eval_interval and at the end, step, log; returns the
     exit code."""
     cfg, say, world = r.cfg, r.say, r.world
-    with stop_on_signals(notify=world == 1 or os.environ.get('LOCAL_RANK', '0') == '0') as stop:
+    with stop_on_signals(notify=first_on_node()) as stop:
         if r.rng is not None and r.rank < len(r.rng):  # each process its own RNG state
             set_rng_state(r.rng[r.rank])
         elif r.rng is not None:  # more processes than the checkpoint's run had
@@ -2103,6 +2103,12 @@ PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
 CONFIG_ERROR_WAIT_S = 3  # under torchrun, how long the processes that leave a config error to another to print wait
 
 
+def first_on_node():
+    """Whether this process speaks for its node: a plain run (one that inherited a LOCAL_RANK too), or under torchrun
+    (WORLD_SIZE) the node's first process, LOCAL_RANK 0."""
+    return int(os.environ.get('WORLD_SIZE', 1)) == 1 or os.environ.get('LOCAL_RANK', '0') == '0'
+
+
 def report_error(e):
     """Print a ConfigError or TrainError once, as one write of the whole line (sys.exit(message) writes the newline
     apart): under torchrun the processes share stderr, and two processes' errors would otherwise run together on one
@@ -2112,8 +2118,7 @@ def report_error(e):
     if getattr(e, 'reported', False) or isinstance(e, PeerError):
         return
     e.reported = True
-    if isinstance(e, ConfigError) and int(os.environ.get('WORLD_SIZE', 1)) > 1 \
-            and os.environ.get('LOCAL_RANK', '0') != '0':
+    if isinstance(e, ConfigError) and not first_on_node():
         # torchrun stops every process once one has exited: this one waits, so that the first process of its node,
         # which prints the error and may have started a second later, is not stopped before it has
         time.sleep(CONFIG_ERROR_WAIT_S)
