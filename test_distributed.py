@@ -686,25 +686,28 @@ def test_each_error_is_printed_by_the_process_that_finds_it(case, root, eval_dat
     # traceback), an out_dir that process 0 alone creates and cannot (a file in its path) by process 0, once: the
     # other's "process 0 stopped with an error" would say nothing more, and process 0 prints before the other leaves
     # (torchrun stops every process once one exited). A stop that both processes agree on (non-finite steps, whose
-    # losses and norms they share), once
+    # losses and norms they share), once, by no process's name (it is both's). One process's error names its process:
+    # each process's line reads the same otherwise (an out-of-memory "on cpu" from each, in one log)
     extra, entry = [], AS_SCRIPT
     if case == 'no_checkpoint':
-        extra, error, count = ['--init_from=resume'], f"no checkpoint at {root / 'error_no_checkpoint'}", 2
+        extra, error, by = ['--init_from=resume'], f"no checkpoint at {root / 'error_no_checkpoint'}", ['0', '1']
     elif case == 'one_process_cannot_read':  # (process 0 then says that it lost process 1, if it can before torchrun
         # stops it: not a traceback)
-        entry, error, count = ONE_CANNOT_READ, 'train.bin cannot be read: Permission denied', 1
+        entry, error, by = ONE_CANNOT_READ, 'train.bin cannot be read: Permission denied', ['1']
     elif case == 'process_zero_alone':
         (root / 'error_file').write_text('a file, not a directory')
-        extra, error, count = [f"--out_dir={root / 'error_file' / 'out'}"], 'out_dir ', 1
+        extra, error, by = [f"--out_dir={root / 'error_file' / 'out'}"], 'out_dir ', ['0']
     else:  # AdamW's steps of 1e30 make the weights overflow: NaN gradients from the second step on
         extra = ['--learning_rate=1e30', '--max_nonfinite_steps=2', '--max_iters=8', '--eval_interval=100']
-        error, count = 'iteration 3: 2 consecutive steps with a non-finite loss or gradient; stopping.', 1
+        error, by = 'iteration 3: 2 consecutive steps with a non-finite loss or gradient; stopping.', ['']
     r = Launch(2, root / f'error_{case}', eval_data(2), '--gradient_accumulation_steps=2', *extra,
                entry=entry).wait(HANG_TIMEOUT)
     assert r.rc != 0 and not r.timed_out, r.describe()
-    printed = [line for line in re.findall(r'^train\.py: error: (.*)$', r.output, re.M)
+    printed = [(who, line) for who, line in re.findall(r'^train\.py: error: (?:process (\d) of 2: )?(.*)$', r.output, re.M)
                if not line.startswith('lost the connection to another process (connection closed by peer): it')]
-    assert len(printed) == count and all(error in line for line in printed), r.describe()
+    assert sorted(who for who, _ in printed) == by and all(error in line for _, line in printed), r.describe()
+    assert all(who for who, line in re.findall(r'^train\.py: error: (?:process (\d) of 2: )?(lost the .*)$',
+                                               r.output, re.M)), r.describe()  # one process's: which one
     assert 'process 0 stopped' not in r.output, r.describe()  # (torchrun's own traceback follows: its workers failed)
     assert not re.search(r'File ".*train\.py", line', r.output), r.describe()
 

@@ -2114,7 +2114,8 @@ def report_error(e):
     apart): under torchrun the processes share stderr, and two processes' errors would otherwise run together on one
     line. Under torchrun a config error is every process's alike, or at least every process's of one node (a device
     it lacks): each node's first process prints it, in that node's log. A TrainError can be one process's alone:
-    each prints its own, but a PeerError, whose process stops because another stopped with an error it prints."""
+    each prints its own, named by its process, but a PeerError, whose process stops because another stopped with an
+    error it prints; a stop all agreed on (stop_together) is printed by process 0, unnamed."""
     if getattr(e, 'reported', False) or isinstance(e, PeerError):
         return
     e.reported = True
@@ -2123,7 +2124,11 @@ def report_error(e):
         # which prints the error and may have started a second later, is not stopped before it has
         time.sleep(CONFIG_ERROR_WAIT_S)
         return
-    sys.stderr.write(f"train.py: error: {e}\n")
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    who = ''  # a config error and an agreed stop are every process's; any other error is one process's: which one
+    if world > 1 and isinstance(e, TrainError) and not getattr(e, 'together', False):
+        who = f"process {os.environ.get('RANK', '?')} of {world}: "
+    sys.stderr.write(f"train.py: error: {who}{e}\n")
     sys.stderr.flush()
 
 
