@@ -942,9 +942,10 @@ def test_optimizer_step_count_equals_iterations(data, tmp_path, name):
 
 
 def test_first_iteration_of_main_is_one_plain_adamw_step(data, tmp_path):
-    # Reference: the same model (seed), the same first batch (train.Batches with the run's seed), the same
-    # lr (get_lr(0)) and one train.train_step with a fresh AdamW, outside main(): the weights main() saves
-    # after its first iteration must be these.
+    # Reference: the same model (seed), the same first batches (train.Batches with the run's seed), the same
+    # lr (get_lr(0)) and one step written out with torch's AdamW, outside main() and none of train.py's optimizer
+    # or step code: weight decay on the matrices alone (README), the mean loss of the micro-batches, the gradient
+    # clipped to grad_clip. The weights main() saves after its first iteration must be these.
     out = tmp_path / 'out'
     code, _ = main_capture(args(data, out, '--max_iters=1'))
     assert code == 0
@@ -958,11 +959,20 @@ def test_first_iteration_of_main_is_one_plain_adamw_step(data, tmp_path):
         torch.manual_seed(cfg.seed)
         return GPT(GPTConfig(**{k: getattr(cfg, k) for k in train.MODEL_KEYS if hasattr(cfg, k)} | {'vocab_size': 64}))
     model = fresh_model()
-    optimizer = train.configure_optimizer(model, cfg, 'cpu')
-    for group in optimizer.param_groups:
-        group['lr'] = train.get_lr(0, cfg)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    assert matrices and others
+    optimizer = torch.optim.AdamW([{'params': matrices, 'weight_decay': cfg.weight_decay},
+                                   {'params': others, 'weight_decay': 0.0}], lr=train.get_lr(0, cfg),
+                                  betas=(cfg.beta1, cfg.beta2))
     batches = train.Batches(tokens, cfg.batch_size, cfg.block_size, 'cpu', cfg.seed)
-    train.train_step(model, optimizer, NO_SCALER, batches, 1, contextlib.nullcontext(), cfg.grad_clip)
+    accum = cfg.gradient_accumulation_steps
+    for _ in range(accum):
+        x, y = batches.next()
+        (model(x, y)[1] / accum).backward()
+    assert cfg.grad_clip > 0
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
     want, init = model.state_dict(), fresh_model().state_dict()
     assert not torch.equal(want['blocks.0.mlp.up.weight'], init['blocks.0.mlp.up.weight'])
     for k in got:

@@ -1178,10 +1178,15 @@ def test_text_field_names_the_field(tmp_path):
 
 def test_progress_reports_rates_and_totals(tmp_path, monkeypatch, capsys):
     # a clock that moves 1 s per call, so that every chunk prints a progress line; the final line's
-    # totals must be the meta's token counts
+    # totals must be the meta's token counts. Reference for the rates: the clock's readings, each kept with the
+    # function that read it (write_tokens' start, each progress line's now, write_dataset's start and end)
     cl100k_offline()
-    clock = itertools.count(1000.0)
-    monkeypatch.setattr(prepare_data.time, 'time', lambda: next(clock))
+    clock, readings = itertools.count(1000.0), []
+
+    def read_clock():
+        readings.append((sys._getframe(1).f_code.co_name, next(clock)))
+        return readings[-1][1]
+    monkeypatch.setattr(prepare_data.time, 'time', read_clock)
     monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 2000)
     path = write_records(tmp_path, documents(), 'jsonl')
     meta = prepare(path, 'cl100k_base', str(tmp_path / 'out'), 0.1)
@@ -1191,15 +1196,17 @@ def test_progress_reports_rates_and_totals(tmp_path, monkeypatch, capsys):
     found = [re.search(r'([\d,]+) tokens, ([\d,]+) tokens/s', ln).groups() for ln in lines]
     counts, rates = zip(*[[int(n.replace(',', '')) for n in pair] for pair in found])
     assert list(counts) == sorted(counts) and counts[-1] == meta['train_tokens'] + meta['val_tokens']
-    # each line's rate is its count over the clock's whole seconds since the start, which grow line by line
-    seconds = [round(n / rate) for n, rate in zip(counts, rates)]
-    assert seconds == sorted(set(seconds))
-    assert all(abs(n / s - rate) <= 0.5 for n, s, rate in zip(counts, seconds, rates))
+    # each line's rate is its count over the seconds from write_tokens' start to that line's reading
+    [start] = [t for name, t in readings if name == 'write_tokens']
+    nows = [t for name, t in readings if name == 'progress' and t > start]
+    assert len(nows) == len(lines)  # every reading 1 s after the one before: each progress call prints
+    assert all(abs(n / (now - start) - rate) <= 0.5 for n, now, rate in zip(counts, nows, rates)), (counts, rates)
     total = meta['train_tokens'] + meta['val_tokens']
     size = sum(len(d.encode()) for d in documents())
-    m = re.search(rf'encoded {size / 1e6:.1f} MB into {total:,} tokens in ([\d.]+) s: [\d.]+ MB/s, ([\d,]+) '
-                  rf'tokens/s \(\d+ threads\)', out)
-    assert m and round(total / float(m.group(1))) == int(m.group(2).replace(',', '')), out
+    began, ended = [t for name, t in readings if name == 'write_dataset']
+    m = re.search(rf'encoded {size / 1e6:.1f} MB into {total:,} tokens in {ended - began:.1f} s: [\d.]+ MB/s, '
+                  rf'([\d,]+) tokens/s \(\d+ threads\)', out)
+    assert m and round(total / (ended - began)) == int(m.group(1).replace(',', '')), out
 
 
 def test_progress_line_arithmetic(monkeypatch, capsys):

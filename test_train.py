@@ -1349,7 +1349,9 @@ def test_resume_is_bitwise_identical(runs):
     assert ca['model'].keys() == cb['model'].keys()
     for k in ca['model']:
         assert torch.equal(ca['model'][k], cb['model'][k]), k
+    assert ca['optimizer']['state'].keys() == cb['optimizer']['state'].keys() and ca['optimizer']['state']
     for pa, pb in zip(ca['optimizer']['state'].values(), cb['optimizer']['state'].values()):
+        assert pa.keys() == pb.keys() and pa, pa.keys()
         for k in pa:
             assert torch.equal(pa[k], pb[k]), k
     # and the run did train: the weights moved away from the first checkpoint's
@@ -2454,18 +2456,21 @@ def test_evals_left_counts_the_evaluations_still_to_come():
 
 def test_peak_memory_is_the_process_peak_in_mib(monkeypatch):
     # Reference: on the CPU, the kernel's own count of this process's peak resident memory, VmHWM in
-    # /proc/self/status (kB), read before and after; on CUDA, the peak of torch's allocator, not what it holds now
-    # (both faked here: 3 GiB at the peak, 1 GiB now).
+    # /proc/self/status (kB), read before and after, with 256 MiB touched and freed before: the peak, not what
+    # the process holds now (VmRSS, 256 MiB less at least); on CUDA, the peak of torch's allocator, not what it
+    # holds now (both faked here: 3 GiB at the peak, 1 GiB now).
     if not os.path.exists('/proc/self/status'):
         pytest.skip('no /proc/self/status (not Linux)')
 
-    def vm_hwm_mib():
+    def status_mib(key):
         with open('/proc/self/status') as f:
-            return next(int(line.split()[1]) for line in f if line.startswith('VmHWM:')) / 1024
-    before = vm_hwm_mib()
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ':')) / 1024
+    held = np.ones(2**25)  # 256 MiB, each page written: resident, then given back to the system (a mapping of its own)
+    del held
+    before, now = status_mib('VmHWM'), status_mib('VmRSS')
     got = train.peak_memory_mb('cpu')
-    after = vm_hwm_mib()
-    assert before * 0.99 <= got <= after * 1.01, (before, got, after)
+    after = status_mib('VmHWM')
+    assert before * 0.99 <= got <= after * 1.01 and got > now + 200, (before, got, after, now)
     monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda *a, **k: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda *a, **k: 2**30)
     assert train.peak_memory_mb('cuda') == 3 * 1024
