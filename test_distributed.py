@@ -639,18 +639,21 @@ HANG_TIMEOUT = 30  # seconds; these runs take about 6 s
 def test_eval_iters_not_divisible_by_processes(parallelism, eval_iters, root, eval_data, single_eval):
     # eval_iters=5 with 2 processes: process 0 evaluates 3 batches, process 1 evaluates 2; eval_iters=1:
     # process 1 evaluates none; eval_iters=0 (the whole val split, 5 batches of windows): process 0 evaluates
-    # 3, process 1 2 and a repeat of weight 0. Reference: the single-process eval losses over the same batches.
-    # Acceptable outcomes: those losses, or a clear config error naming eval_iters. Not acceptable: a
-    # hang (under FSDP every forward is a collective all-gather, so a process with one forward more than
-    # the other waits for a partner that never comes) or a crash with a traceback.
+    # 3, process 1 2 and a repeat of weight 0. Reference: the single-process eval losses over the same batches;
+    # for eval_iters=1, which leaves a process without a batch, main's config error (its line alone: the run prints
+    # its config, eval_iters' line included, before any error). Not acceptable: a hang (under FSDP every forward is
+    # a collective all-gather, so a process with one forward more than the other waits for a partner that never
+    # comes), a crash with a traceback, or any other error.
     r = run(2, root / f'{parallelism}_eval{eval_iters}', eval_data(eval_iters), '--max_iters=0',
             f'--eval_iters={eval_iters}', f'--parallelism={parallelism}', timeout=HANG_TIMEOUT)
     assert not r.timed_out, (f"HANG: eval_iters={eval_iters} under {parallelism} with 2 processes did not "
                              f"finish in {HANG_TIMEOUT} s (it takes about 6 s when it works)\n" + r.describe())
-    if r.rc != 0:
-        assert 'train.py: error:' in r.output and 'eval_iters' in r.output, \
-            f"eval_iters={eval_iters} under {parallelism}: a crash, not a clear error\n" + r.describe()
+    if eval_iters == 1:
+        assert r.rc != 0 and re.findall(r'^train\.py: error: (.*)$', r.output, re.M) == [
+            'eval_iters=1 is the global number of eval batches, shared among the processes: give at least one to '
+            'each of the 2'], r.describe()
         return
+    assert r.rc == 0, r.describe()
     want = single_eval(eval_iters)
     assert len(want) == 1 and kind(want[0]) == 'eval'
     assert_metrics_close(r.metrics(), want, where=f'{parallelism} eval_iters={eval_iters}')
