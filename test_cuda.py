@@ -699,13 +699,27 @@ def test_peak_flops_by_device_name(monkeypatch, name):
     assert model_module.peak_flops('cpu', 'bfloat16') is None
 
 
-def test_mfu_of_an_fp8_run_is_against_the_bf16_peak(monkeypatch):
-    # Reference: FLOPs per token x tokens/s over the H100's bf16 peak (989.5 TFLOP/s), computed here; an FP8
-    # run passes its autocast dtype, bfloat16, as train.py does.
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
-    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: 'NVIDIA H100 80GB HBM3')
-    model = tiny_model()
-    assert model.estimate_mfu(1e6, 'cuda', 'bfloat16', 16) == pytest.approx(model.flops_per_token(16) * 1e6 / 989.5e12)
+def test_mfu_of_an_fp8_run_is_against_its_autocast_dtypes_peak(tmp_path, monkeypatch):
+    # Reference: the metrics line's own tokens/s and the model's FLOPs per token over the peak of the run's dtype
+    # (float32 here), not FP8's (torchtitan's convention: FP8 and bf16 runs on one scale); both peaks faked, FP8's
+    # 4x, as the CPU has neither. FP8's layers are stood in for by none (the CPU has no FP8 matmul): the MFU is
+    # train.py's arithmetic alone. The report names both peaks.
+    peaks = {'float32': 2e12, 'float8': 8e12}
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': peaks.get(dtype))
+    monkeypatch.setattr(train, 'peak_flops', model_module.peak_flops)
+    monkeypatch.setattr(train, 'convert_to_fp8', lambda model, recipe, device: [])
+    data = write_data(tmp_path / 'data')
+    code, out = main_capture(['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16',
+                              '--block_size=8', '--batch_size=4', '--eval_iters=2', '--max_iters=2', '--log_interval=1',
+                              '--fp8=True', f'--data_dir={data}', f'--out_dir={tmp_path / "o"}'])
+    assert code == 0
+    assert ("MFU               of the TF32 peak, 2.0 TFLOP/s (cpu); this FP8 run's too, not of the FP8 peak "
+            "(8.0 TFLOP/s)") in out
+    model = GPT(GPTConfig(**train.load_checkpoint(str(tmp_path / 'o' / 'ckpt.pt'))['model_args']))
+    records = [r for r in read_metrics(tmp_path / 'o') if 'loss' in r]
+    assert len(records) == 2
+    for record in records:
+        assert record['mfu'] == pytest.approx(model.flops_per_token(8) * record['tokens_per_sec'] / 2e12, rel=1e-12)
 
 
 @pytest.mark.parametrize('short, windows', [((), [8, 8]),
