@@ -1163,7 +1163,7 @@ def test_bench_profile_finds_what_launched_each_idle_gap(tmp_path):
     assert idle == pytest.approx(between + edges, abs=0.11), text
     gaps = re.findall(r'^\| [\d,.]+ \| `([^`]+)` \| `([^`]+)` \|$', text, re.M)
     assert gaps, text
-    assert any(calls != 'not known' for _, calls in gaps), text
+    assert all(calls != 'not known' for _, calls in gaps), text  # (2026-11-27's H100 profile: all 10 named)
 
 
 @gpu
