@@ -760,6 +760,30 @@ def test_split_step(n, micro, expected):
     assert bench.split_step(n, micro) == expected
 
 
+def test_profile_md_on_cuda_lists_the_longest_idle_gaps(tmp_path, monkeypatch):
+    # Reference: a made-up CUDA profile: kernels at 0-100 and 150-160 us (the second launched from AdamW's step),
+    # so one gap of 50 us before the optimizer's kernel (0.5 ms of wall: 10%); profile.md holds the idle summary
+    # and the table of the longest gaps (idle_rows, here by hand), not only the kinds.
+    step = host_call(1, 'Optimizer.step#AdamW.step')
+    launcher = host_call(2, 'aten::_fused_adamw_', step)
+    mm = launched(fake_kernel('nvjet_a', 0, 100), None)
+    adam = launched(fake_kernel('multi_tensor_apply_kernel', 150, 160), launcher)
+    events = [step, launcher, mm, adam]
+    prof = type('Prof', (), {'events': lambda self: events})()
+    monkeypatch.setattr(bench, 'why_skip', lambda change, env: None)
+    monkeypatch.setattr(bench, 'rung_settings', lambda number, env: ('+ made up', dict(bench.BASE), None))
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env, timed=None: dict(
+        timed=prof, ms_per_iter=0.5 / env.steps, tokens_per_sec=1000.0, mfu=None, mfu_peak=None))
+    env = bench.setup([*TINY, f'--out={tmp_path}', '--mode=profile'])
+    env.device_type = 'cuda'
+    assert bench.profile(env) == 0
+    text = (tmp_path / 'profile.md').read_text()
+    assert '| of which between kernels, in 1 gaps | 0.1 | 10.0% of wall |\n' in text
+    assert ("| longest device idle gaps (us) | the kernel after it | launched from (the host's calls) |\n"
+            "|---:|---|---|\n"
+            "| 50.0 | `multi_tensor_apply_kernel` | `Optimizer.step#AdamW.step > aten::_fused_adamw_` |\n") in text
+
+
 def fit_env(tmp_path, tokens_per_step, monkeypatch, start='fork'):
     """A tiny ladder's namespace from bench.setup, for calling fit() on the CPU (setup refuses --mode=fit without
     CUDA), with tokens_per_step set afterwards (a ladder refuses the flag). fit's children are forked: they run
@@ -1079,6 +1103,33 @@ def test_fit_says_when_a_try_ended_its_process(tmp_path, monkeypatch):
     assert rows[2]['note'] == ended + '2 (killed by signal 9)'
     assert rows[3]['note'] == 'failed: RuntimeError: TwoArguments: one and two'
     assert multiprocessing.active_children() == []
+
+
+def test_fit_notes_the_largest_leak_of_its_failed_tries():
+    # Reference: by hand. A step of 8 sequences: 1 and 2 fit, 4 fails leaving 2 GiB allocated, 3 fails leaving
+    # 0.1 GiB: the note names the largest leak a failure left (2.0 GiB), whichever failure left less.
+    left = {4: 2 << 30, 3: (1 << 30) // 10}
+
+    def tries(s, batch):
+        fits = batch <= 2
+        return dict(fits=fits, error=None if fits else 'OutOfMemoryError: CUDA out of memory', held=0, outside=0,
+                    left=None if fits else left[batch])
+    row = bench.fit_variant({}, 8, tries)
+    assert row['micro_batch'] == 2 and [f['batch_size'] for f in row['failures']] == [4, 3]
+    assert row['note'] == '(a failed try left up to 2.0 GiB allocated: the next ran in a new process)'
+
+
+def test_fit_names_the_exit_code_of_a_child_that_exited_0_without_an_answer(tmp_path, monkeypatch):
+    # Reference: the child's exit status as multiprocessing reports it: 0 is an exit code, not a signal (only
+    # negative codes are signals).
+    monkeypatch.setattr(bench, 'run_rung', lambda s, env: os._exit(0))
+    env = fit_env(tmp_path, 64, monkeypatch)
+    tries = bench.FitTries(env)
+    try:
+        with pytest.raises(RuntimeError, match=r'the try of batch_size=1 \(exit code 0\)$'):
+            tries({}, 1)
+    finally:
+        tries.close()
 
 
 def test_fit_child_builds_its_run_from_the_command_line(monkeypatch):

@@ -659,6 +659,108 @@ def test_other_compile_failures_still_fall_back_loudly(monkeypatch, capsys):
     assert 'UNCOMPILED' in capsys.readouterr().err
 
 
+class FailsInBackward:
+    """A compiled model whose training call runs the module eagerly but whose backward fails at the token
+    embedding's output, after the gradients of every layer above it have been accumulated (as a compiled
+    backward that fails in one of several graphs would: the later graphs' gradients are in place by then)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        def boom(grad):
+            raise RuntimeError('inductor: compiling the backward graph failed')
+
+        def hook(mod, inputs, output):
+            output.register_hook(boom)
+        handle = self.module.wte.register_forward_hook(hook)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            handle.remove()
+
+
+def test_compile_failure_in_the_backward_leaves_no_gradient(monkeypatch, capsys):
+    # Reference: the model's gradients before compile_model (none). A warm-up whose backward fails after some
+    # gradients were accumulated falls back to eager, and the first step (train_step zeroes gradients only after
+    # its update) must start from none: leftovers would be added to its gradient.
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64))
+    monkeypatch.setattr(torch, 'compile', lambda module, mode=None: FailsInBackward(module))
+    r = warm_up_run(model)
+    compiled, note = train.compile_model(r)
+    assert note.startswith('FAILED') and compiled is model
+    assert 'UNCOMPILED' in capsys.readouterr().err
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_compile_failure_warning_names_the_error(monkeypatch, capsys):
+    # Reference: the error that compile raised, its type and its text: the warning is all a user has to act on
+    # (file a bug, change compile_mode); 'UNCOMPILED' alone does not say why.
+    _, (model, note) = compile_run(monkeypatch, compiled=Raising(RuntimeError('inductor: lowering aten.foo failed')))
+    err = capsys.readouterr().err
+    assert note.startswith('FAILED') and 'UNCOMPILED' in err
+    assert 'RuntimeError: inductor: lowering aten.foo failed' in err
+
+
+def test_no_step_compiles_after_the_warm_up_with_label_smoothing(tmp_path, monkeypatch):
+    # Reference: Dynamo itself (as test_cuda's test_no_step_compiles_after_the_warm_up, there at label_smoothing 0):
+    # the warm-up must call the model as the training steps do, with the run's label_smoothing, or the first
+    # step compiles another graph (in its timed figures).
+    graphs, at_warm_up = [], []
+
+    def counting_compile(module, mode=None):
+        def backend(gm, example_inputs):  # Dynamo's graph as it is, run eagerly
+            graphs.append(gm)
+            return gm.forward
+        return real_compile(module, backend=backend)
+
+    def warm_up(r):
+        out = real_warm_up(r)
+        at_warm_up.append(len(graphs))
+        return out
+    real_compile, real_warm_up = torch.compile, train.compile_model
+    monkeypatch.setattr(torch, 'compile', counting_compile)
+    monkeypatch.setattr(train, 'compile_model', warm_up)
+    data = write_data(tmp_path / 'data')
+    argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
+            '--batch_size=3', '--max_iters=2', '--eval_interval=2', '--eval_iters=2', '--label_smoothing=0.1',
+            '--compile=True', f'--data_dir={data}', f'--out_dir={tmp_path / "o"}']
+    torch._dynamo.reset()
+    try:
+        code, out = main_capture(argv)
+    finally:
+        torch._dynamo.reset()
+    assert code == 0 and 'compile           on' in out
+    assert at_warm_up == [len(graphs)] and len(graphs) >= 2
+
+
+class DrawsOnTheGpu(torch.nn.Module):
+    """A compiled model that runs the module and, at each call, advances the (faked) CUDA generator of device 0, as
+    dropout on the GPU draws from it."""
+
+    def __init__(self, module, rng):
+        super().__init__()
+        self.module, self.rng = module, rng
+
+    def forward(self, *args, **kwargs):
+        self.rng.states[0] = self.rng.states[0] + 1
+        return self.module(*args, **kwargs)
+
+
+def test_compile_warm_up_leaves_the_gpus_rng_as_it_was(monkeypatch):
+    # Reference: the CUDA generator's state before compile_model (CUDA faked: FakeCudaRng). The warm-up's dropout
+    # draws on the GPU must not shift the run's random draws there (a resumed run repeats its draws), as on the CPU
+    # (test_cuda's test_compile_warm_up_leaves_no_trace).
+    rng = FakeCudaRng(monkeypatch, 1)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=64))
+    monkeypatch.setattr(torch, 'compile', lambda module, mode=None: DrawsOnTheGpu(module, rng))
+    r = warm_up_run(model)
+    r.device, r.device_type = 'cuda:0', 'cuda'  # (the model and its batches stay on the CPU)
+    before = torch.cuda.get_rng_state('cuda:0')
+    _, note = train.compile_model(r)
+    assert note.startswith('on') and torch.equal(torch.cuda.get_rng_state('cuda:0'), before)
+
+
 # ----------------------------------------------------------------------------------------------------
 # 6. peak FLOP/s by device name
 

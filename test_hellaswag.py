@@ -101,6 +101,13 @@ def test_rows_cut_the_text_and_refuse_an_ending_longer_than_the_block():
         hellaswag.rows_of(('A cat:', ['x' * 16, 'ran.'], 0), ENCODE, block_size=16)
 
 
+def test_an_ending_of_exactly_block_size_tokens_is_scored():
+    # Reference: rows_of's docstring: a row is the last block_size + 1 tokens, so an ending of block_size tokens
+    # (' ' and 15 characters, char-level) still has one token of context before it: scored, not left out.
+    rows = hellaswag.rows_of(('A cat:', ['x' * 15, 'ran.'], 0), ENCODE, block_size=16)
+    assert rows[0] == (ENCODE('A cat: ' + 'x' * 15)[-17:], 16)
+
+
 def test_log_likelihoods_match_a_forward_per_token():
     """Rows of different lengths in one padded batch, some cut to the block (the first text is longer than it),
     scored over the data's 57 ids of the model's 64: each sum equal to the reference's."""

@@ -1088,6 +1088,24 @@ def test_config_file_that_is_a_directory_or_not_utf8(tmp_path):
     assert configure(train.DEFAULTS, [str(path)])['n_layer'] == 3
 
 
+def test_a_string_key_takes_a_flag_that_reads_as_another_literal_as_its_text():
+    # Reference: the text after '=' as written: a string key's value is its flag's text whatever Python literal
+    # it also reads as (a prompt of digits, a directory named 2024 or None); a quoted string is unquoted.
+    import sample
+    cfg = configure(sample.DEFAULTS, ['--start=42', '--out_dir=2024', '--ckpt=None', "--device='cpu'"])
+    assert (cfg['start'], cfg['out_dir'], cfg['ckpt'], cfg['device']) == ('42', '2024', 'None', 'cpu')
+
+
+def test_a_config_file_half_of_whose_keys_are_unknown_names_the_first_with_its_closest_key(tmp_path):
+    # Reference: the module docstring's rule: only a file MOST of whose keys are unknown is called another script's;
+    # at exactly half (3 of 6) each unknown key is an error naming the closest real key.
+    path = tmp_path / 'half.py'
+    import sample
+    path.write_text("out_dir = 'x'\nckpt = 'best.pt'\nstart = 'a'\nnum_sample = 2\ntop_kk = 5\nseeed = 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'num_sample'.*did you mean 'num_samples'"):
+        configure(sample.DEFAULTS, [str(path)])
+
+
 def test_wrong_type_in_config_file(tmp_path):
     # Reference: the key, the value and the default's type, as for flags, and the file that set it, by hand
     path = tmp_path / 'cfg.py'
