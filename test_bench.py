@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 from types import SimpleNamespace
 
@@ -1813,6 +1814,9 @@ def test_ci_gpu_commands_are_valid_settings(part, tmp_path, monkeypatch):
     steps = [line for line in done.stdout.splitlines() if ': rc ' in line]  # steps.txt's lines, as .ci/gpu tees them
     assert steps and all(': rc 0 in ' in line for line in steps), done.stdout  # each ran, under its limit
     assert 0 < sum(int(s) for s in open(limits).read().split()) <= 580, open(limits).read()
+    with tarfile.open(tmp_path / 'out' / f'gpu-{part}.tgz') as archive:  # steps.txt: a line per step
+        assert archive.extractfile(f'{part}/steps.txt').read().decode().splitlines() == steps
+    assert len(steps) == len(open(limits).read().split())
     calls = [json.loads(line) for line in open(log)]
     scripts = [c for c in calls if c[0] in ('bench.py', 'train.py', '.ci/rope_probe.py')]
     assert scripts and all(c[0] in ('bench.py', 'train.py', '.ci/rope_probe.py', '-c') or c[:2] == ['-m', 'pytest']
