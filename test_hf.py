@@ -161,6 +161,23 @@ def test_older_files_and_tied_models_that_store_the_head_load(hf_dirs, tmp_path)
         torch.testing.assert_close(ours_from_hf(str(path))(ids)[0], hf_model(src)(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_llama3_scaling_with_factor_one_is_accepted_and_is_plain_rope():
+    # Reference: transformers' llama3 parameters, which take a factor of at least 1 (GPTConfig's message says the
+    # same); factor 1 divides no frequency, so its rotary tables are plain RoPE's, computed here by rope_cache
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+    config = GPTConfig(block_size=64, vocab_size=32, n_layer=1, n_head=2, n_embd=32, rope_scaling_factor=1.0,
+                       rope_original_max_len=16)
+    hf = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, head_dim=16, max_position_embeddings=64,
+                                  rope_parameters=dict(rope_type='llama3', rope_theta=10000.0, factor=1.0,
+                                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_position_embeddings=16))
+    inv_freq, _ = _compute_llama3_parameters(hf, 'cpu')
+    assert torch.allclose(inv_freq, 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+    model = GPT(config)
+    cos, sin = rope_cache(64, 16, 10000.0)
+    assert torch.equal(model.cos, cos) and torch.equal(model.sin, sin)
+
+
 def test_llama3_rope_in_the_older_config_layout(hf_dirs, tmp_path):
     """Llama 3.2's own config.json has rope_scaling and rope_theta beside it (transformers before 5.0), not
     rope_parameters: the same model either way."""
@@ -855,6 +872,48 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(tmp_path, arch):
             args['tie_embeddings'], max_len) == (theirs.head_dim, theirs.num_key_value_heads, theirs.intermediate_size,
                                                  theirs.rms_norm_eps, rope['rope_theta'], theirs.tie_word_embeddings,
                                                  theirs.max_position_embeddings)
+
+
+@pytest.mark.parametrize('tie', [False, True])
+def test_export_config_says_whether_the_head_is_tied(tmp_path, tie):
+    # Reference: transformers' own reading of the export, and tie_weights() run by hand, as transformers 4 and other
+    # readers of config.json (vLLM, llama.cpp's converter) do on load when tie_word_embeddings is true: an untied
+    # model must say so, else its head is replaced by the embeddings. (transformers 5 keeps a head the file stores,
+    # whatever config.json says, so the logits alone cannot tell.)
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=3, n_kv_head=2, tie_embeddings=tie)
+    export.main([f'--out_dir={tmp_path}'])
+    assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['tie_word_embeddings'] is tie
+    theirs = hf_model(tmp_path / 'hf')
+    assert theirs.config.tie_word_embeddings is tie
+    if theirs.config.tie_word_embeddings:
+        theirs.lm_head.weight = theirs.model.embed_tokens.weight
+    assert torch.equal(theirs.lm_head.weight, ours.lm_head.weight)
+
+
+def test_load_model_gives_the_model_in_eval_mode_without_dropout(tmp_path):
+    # Reference: the checkpoint's model in eval mode, run here. load_model is what hellaswag.py scores with (it calls
+    # no eval() of its own): a model trained with dropout must score without it, the same logits every time
+    ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=3, dropout=0.5).eval()
+    model, _, encode, _ = sample.load_model(str(tmp_path / 'ckpt.pt'), 'cpu')
+    ids = torch.randint(100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], ours(ids)[0])
+        assert torch.equal(model(ids)[0], ours(ids)[0])
+
+
+def test_sample_raises_an_error_other_than_out_of_memory_as_it_is(tmp_path, monkeypatch):
+    # Reference: the error raised here inside generate. Only out of memory becomes sample.py's one-line advice
+    # (fewer samples); any other error (a bug, a device assert) must come out as itself, with its traceback, not
+    # be reported as out of memory
+    our_checkpoint(tmp_path / 'ckpt.pt', seed=3)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError('index 7 is out of bounds')
+    monkeypatch.setattr(GPT, 'generate', broken)
+    with pytest.raises(RuntimeError, match='index 7 is out of bounds') as e:
+        sample.main([f'--out_dir={tmp_path}', '--max_new_tokens=2', '--device=cpu',
+                     f'--start={CHAR_META["chars"][:3]}'])
+    assert not isinstance(e.value, train.TrainError)
 
 
 def test_export_bfloat16_and_refusals(tmp_path):

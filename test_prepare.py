@@ -761,6 +761,61 @@ def test_utf16_and_utf32_files_are_refused_naming_them(tmp_path, kind, encoding,
     assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.parametrize('kind', ['txt', 'jsonl'])
+def test_find_split_at_every_target_is_after_the_first_newline_at_or_after_it(tmp_path, kind):
+    # Reference: expected_split (test_prepare's spec: after the first newline at or after the target byte), for a
+    # target at every byte of a text whose newlines come alone, in pairs and at the start; the text ends without
+    # one, where the spec and find_split agree (a newline as the last byte would leave val empty). As a text file
+    # (read from the target on) and as one JSON-lines record (read from its start)
+    text = '\nab\ncd\n\nefg\nh\n\n\nij'
+    path = write(tmp_path / f'a.{kind}', json.dumps({'text': text}) + '\n' if kind == 'jsonl' else text)
+    assert prepare_data.text_size(path, 'text') == len(text.encode())
+    data, total = text.encode(), len(text.encode())
+    for target in range(1, total):
+        val_fraction = 1 - (target + 0.5) / total
+        assert int(total * (1 - val_fraction)) == target
+        got = prepare_data.find_split([path], [total], 'text', val_fraction)
+        assert got == expected_split(data, val_fraction), (target, got)
+
+
+def test_a_line_of_multibyte_characters_alone_streams_in_whole_characters(tmp_path, monkeypatch):
+    # Reference: the text itself. Japanese without a newline or any ASCII byte, read 100 bytes at a time (not a
+    # multiple of 3, the bytes of each character): every block is cut before a character, never inside one (which
+    # would decode as U+FFFD)
+    text = '日本語の文章です' * 60
+    monkeypatch.setattr(prepare_data, 'CHUNK_BYTES', 100)
+    prepare(write(tmp_path / 'a.txt', text), 'char', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    _, decode = get_tokenizer(meta)
+    assert '\ufffd' not in meta['chars']
+    assert decode(train.tolist()) + decode(val.tolist()) == text
+
+
+@pytest.mark.parametrize('bom, encoding', [(b'\xfe\xff', 'utf-16-be'), (b'\xff\xfe', 'utf-16-le'),
+                                           (b'\x00\x00\xfe\xff', 'utf-32-be')])
+def test_each_byte_order_mark_of_utf16_and_utf32_refuses_the_file(tmp_path, bom, encoding):
+    # Reference: the Unicode byte-order marks (U+FEFF in each encoding: FE FF for UTF-16 BE, FF FE for UTF-16 LE,
+    # 00 00 FE FF for UTF-32 BE). Japanese in UTF-16 has no NUL byte, so the mark alone can tell
+    data = bom + ('東京都は大きい。' * 40).encode(encoding)
+    assert encoding.startswith('utf-32') or data.count(0) == 0
+    with pytest.raises(ValueError, match=r'UTF-16 or UTF-32, not UTF-8 \(its byte-order mark\)'):
+        prepare_data.check_start('f.txt', data[:4096])
+
+
+def test_an_hf_vocabulary_with_gaps_in_its_ids_is_sized_by_its_highest_id(tmp_path):
+    # Reference: the ids written into tokenizer.json here, 0, 1 and 5 (ids 2 to 4 unused): the model's vocab_size
+    # (meta's) must hold id 5, which the unknown word 'c' encodes to, not count the 3 tokens
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({'a': 0, 'b': 1, '[UNK]': 5}, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / 'tok').mkdir()
+    tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
+    meta = prepare(write(tmp_path / 'a.txt', 'a b c\n' * 50), f'hf:{tmp_path / "tok"}', str(tmp_path / 'out'), 0.1)
+    meta, train, val = load(tmp_path / 'out')
+    assert meta['vocab_size'] == 6
+    assert sorted(set(train.tolist()) | set(val.tolist())) == [0, 1, 5]
+
+
 def test_utf16_without_a_byte_order_mark_is_refused_by_its_nul_bytes():
     # Reference: check_start's rule, a quarter of the first bytes NUL or more, counted here. UTF-16 of text that is
     # not all ASCII has fewer NULs than half: this one, 27 of 64 (42%), as a BOM-less file of Japanese and English

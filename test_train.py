@@ -432,6 +432,22 @@ def test_top_p_stops_at_the_token_whose_cumulative_probability_reaches_p_exactly
     assert len(set(samples.flatten().tolist())) == kept
 
 
+def test_top_p_of_one_is_off_and_keeps_every_token(monkeypatch):
+    # Reference: the plain softmax that top_p=None samples from. top_p=1.0 is "off" (sample.py's default): every
+    # token keeps its probability, also those after the float32 cumulative sum has rounded to 1.0 (here the two
+    # at e^-20, after a first token whose probability rounds to 1.0 itself)
+    drawn_from = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, 'multinomial',
+                        lambda probs, *a, **k: drawn_from.append(probs) or multinomial(probs, *a, **k))
+    logits = torch.tensor([[0.0, -20.0, -20.0, -3.0]])
+    assert torch.softmax(logits, -1).sort(descending=True).values.cumsum(-1)[0, 1] == 1.0  # the rounding meant
+    sample_next(logits, 1.0, top_p=None, generator=torch.Generator().manual_seed(0))
+    sample_next(logits, 1.0, top_p=1.0, generator=torch.Generator().manual_seed(0))
+    assert (drawn_from[0] > 0).all()
+    assert torch.equal(drawn_from[1], drawn_from[0])
+
+
 @pytest.mark.parametrize('temperature, top_k, top_p', [(2.0, None, 0.75), (0.5, None, 0.75), (1.0, 3, 0.8)])
 def test_top_p_applies_to_the_tempered_top_k_distribution(temperature, top_k, top_p):
     # Reference: transformers' order (temperature, then top-k, then top-p), in float64 here: p ** (1/temperature)
