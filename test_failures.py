@@ -2098,3 +2098,194 @@ def test_valid_edge_values_still_run(data, tmp_path, edge):
     if edge in ('min_lr=learning_rate', 'highest'):  # warmup over 2 iterations, then constant (WSD: its decay from
         # the end of the warmup, at 0 of its 1 iteration)
         assert lrs == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2], rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 13. what a sixth mutation run of train.py found unchecked: signals at the last evaluation, errors under
+# torchrun (the process group faked), warnings' conditions, the log line's units
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+def test_a_signal_during_the_last_evaluation_ends_the_run_as_it_would(data, tmp_path, monkeypatch, capsys, save_log,
+                                                                      signum):
+    # Reference: the run without a signal (test_last_iteration_is_saved): exit code 0, "done:", ckpt.pt written once at
+    # max_iters. A signal that comes during the evaluation at max_iters, after which no step is left, changes nothing:
+    # the run ends as it would have (train_loop: "after the last one, the run ends as it would"), not with 128 + signum
+    # and a command that resumes a finished run.
+    real, calls = train.estimate_loss, []
+
+    def estimate_loss(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # evaluations at 0, 2 and 4 = max_iters
+            os.kill(os.getpid(), signum)
+        return real(*a, **k)
+    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4')) == 0
+    captured = capsys.readouterr()
+    assert len(calls) == 3 and 'done: 4 iterations' in captured.out
+    assert '--init_from=resume' not in captured.out
+    assert [it for name, it, _ in save_log if name == 'ckpt.pt'] == [0, 2, 4]
+
+
+def under_torchrun(monkeypatch, rank, local_rank, world):
+    """The environment torchrun gives a process (RANK, LOCAL_RANK, WORLD_SIZE)."""
+    for k, v in (('RANK', rank), ('LOCAL_RANK', local_rank), ('WORLD_SIZE', world)):
+        monkeypatch.setenv(k, str(v))
+
+
+def test_an_error_of_one_process_names_it_by_its_global_rank(monkeypatch, capsys):
+    # Reference: the environment torchrun gives process 2 of 4 on two nodes of two (RANK 2, LOCAL_RANK 0): its own
+    # error names process 2, the one the job's other messages call it by (RANK), not its place on its node (0, which
+    # process 0 on the first node is too); an agreed stop is unnamed, and a PeerError is not printed.
+    under_torchrun(monkeypatch, 2, 0, 4)
+    train.report_error(train.TrainError('data/train.bin cannot be read: Permission denied'))
+    train.report_error(train.stop_together(SimpleNamespace(master=True), 'iteration 3: stopping'))
+    train.report_error(train.PeerError('process 0 stopped with an error (it prints it)'))
+    assert capsys.readouterr().err == ("train.py: error: process 2 of 4: data/train.bin cannot be read: Permission "
+                                       "denied\ntrain.py: error: iteration 3: stopping\n")
+
+
+# gloo's words when the other end of a collective has gone: its exit closed the connection, or reset it
+GLOO_LOST = ['[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40771',
+             '[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:40771: Connection reset by '
+             'peer']
+
+
+@pytest.mark.parametrize('text, said', list(zip(GLOO_LOST, ['connection closed by peer', 'connection reset by peer'])))
+def test_a_collective_that_lost_another_process_is_one_line(data, tmp_path, monkeypatch, text, said):
+    # Reference: gloo's two messages for a peer that has gone (GLOO_LOST) and main's line for them. Process 0 of 2,
+    # the process group faked (none is joined), whose setup's collective raises gloo's error: either one is the
+    # one-line TrainError, not a traceback; another RuntimeError stays itself.
+    under_torchrun(monkeypatch, 0, 0, 2)
+    monkeypatch.setattr(train.dist, 'init_process_group', lambda *a, **k: None)
+
+    def setup(*a, **k):
+        raise RuntimeError(text)
+    monkeypatch.setattr(train, 'setup', setup)
+    with pytest.raises(train.TrainError) as e:
+        train.main(args(data, tmp_path / 'out', '--gradient_accumulation_steps=2'))
+    assert str(e.value) == (f"lost the connection to another process ({said}): it may have stopped with an error of "
+                            f"its own, in its log")
+    monkeypatch.setattr(train, 'setup', lambda *a, **k: [][1])  # an IndexError: a bug, shown with its traceback
+    with pytest.raises(IndexError):
+        train.main(args(data, tmp_path / 'out', '--gradient_accumulation_steps=2'))
+
+
+@pytest.mark.parametrize('together', [True, False])
+def test_an_agreed_stop_waits_until_process_0_has_printed_it(data, tmp_path, monkeypatch, capsys, together):
+    # Reference: stop_together's docstring: under torchrun every process waits in main (a barrier) until process 0
+    # has printed an agreed stop, since torchrun stops them all once one has exited; an error of one process alone
+    # waits for none (the others are not at that barrier: it would hang). Process 0 of 2, the group faked.
+    under_torchrun(monkeypatch, 0, 0, 2)
+    monkeypatch.setattr(train.dist, 'init_process_group', lambda *a, **k: None)
+    barriers = []
+    monkeypatch.setattr(train.dist, 'barrier', lambda *a, **k: barriers.append(capsys.readouterr().err))
+    error = (train.stop_together(SimpleNamespace(master=True), 'iteration 3: stopping') if together
+             else train.TrainError('out_dir out cannot be written'))
+
+    def setup(*a, **k):
+        raise error
+    monkeypatch.setattr(train, 'setup', setup)
+    with pytest.raises(train.TrainError):
+        train.main(args(data, tmp_path / 'out', '--gradient_accumulation_steps=2'))
+    printed = "train.py: error: iteration 3: stopping\n"
+    assert barriers == ([printed] if together else []), barriers  # printed before the barrier, once
+
+
+def test_a_resume_before_any_evaluation_resets_no_best_val_loss(data, tmp_path, capsys):
+    # Reference: the checkpoint's best_val_loss, inf: a run that neither trained nor evaluated (max_iters=0,
+    # eval_at_start=False) has no best val loss, so a resume that changes what the val loss measures (batch_size)
+    # resets none and says nothing of it; the same change after an evaluation does (the line, for comparison).
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--max_iters=0', '--eval_at_start=False')) == 0
+    assert train.load_checkpoint(str(out / 'ckpt.pt'))['best_val_loss'] == float('inf')
+    capsys.readouterr()
+    assert train.main(args(data, out, '--max_iters=2', '--batch_size=2', '--init_from=resume')) == 0
+    assert 'best val loss reset' not in capsys.readouterr().out
+    assert train.main(args(data, out, '--max_iters=4', '--batch_size=4', '--init_from=resume')) == 0
+    assert 'best val loss reset: batch_size changed' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('batch', [1, 3])
+def test_in_windows_leaves_a_whole_window_batch_as_it_is(batch):
+    # Reference: the batch as Batches makes it (inputs and targets sliced from one (B, T + 1) buffer: strides
+    # (T + 1, 1)), and the docstring of in_windows: at the full length the micro-batch is left as it is, its strides
+    # too (a reshape gives a batch of one the strides (T, 1), which fail the guards of the graph compiled for the
+    # batch, and Dynamo compiles another); at a shorter window, the same tokens in rows of that window.
+    T = 8
+    buf = torch.arange(batch * (T + 1)).view(batch, T + 1)
+    x, y = buf[:, :-1], buf[:, 1:]
+    wx, wy = train.in_windows(x, y, T)
+    assert (wx.shape, wx.stride(), wy.stride()) == (x.shape, x.stride(), y.stride())
+    assert wx is x and wy is y
+    sx, sy = train.in_windows(x, y, 4)
+    assert torch.equal(sx, x.reshape(batch * 2, 4)) and torch.equal(sy, y.reshape(batch * 2, 4))
+
+
+@pytest.mark.parametrize('world, parallelism, warned', [(1, 'fsdp', True), (2, 'fsdp', False), (4, 'fsdp', False),
+                                                        (1, 'ddp', False), (2, 'ddp', False)])
+def test_parallelism_is_a_warning_only_in_one_process(world, parallelism, warned):
+    # Reference: setting_warnings' docstring: parallelism has no effect where the run is one process; under torchrun
+    # (world > 1) it chooses DDP or FSDP, and an FSDP run is told nothing of the kind.
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'parallelism': parallelism, 'max_iters': 10, 'warmup_iters': 2})
+    warnings = [w for w in train.setting_warnings(cfg, world) if w.startswith('parallelism=')]
+    assert warnings == ([f"parallelism={parallelism!r} has no effect: one process runs the whole model; it applies "
+                         f"under torchrun, with more than one process"] if warned else [])
+
+
+@pytest.mark.parametrize('init_from, warned', [('scratch', False), ('resume', False), ('hf:models/SmolLM2-135M', True)])
+def test_zero_init_proj_is_a_warning_only_from_hf_weights(init_from, warned):
+    # Reference: setting_warnings' docstring: zero_init_proj has no effect under init_from=hf: (the weights come from
+    # there); a new run from scratch is what it is for (its initial projections at zero), and a resume's change of
+    # it is said by the resume itself (START_KEYS), not as this warning.
+    cfg = SimpleNamespace(**{**train.DEFAULTS, 'zero_init_proj': True, 'init_from': init_from,
+                                   'max_iters': 10, 'warmup_iters': 2})
+    warnings = [w for w in train.setting_warnings(cfg, 1) if w.startswith('zero_init_proj')]
+    assert warnings == ([f"zero_init_proj=True has no effect: the weights come from init_from={init_from}"]
+                        if warned else [])
+
+
+def test_metrics_time_s_is_the_seconds_since_start_to_the_millisecond(tmp_path, monkeypatch):
+    # Reference: a fake clock at START_TIME + 12.3456 s and + 0.4 s: each record gets time_s 12.346 and 0.4, the wall
+    # seconds since train.py started to the millisecond (README: "the time to a loss can be read off any run"; in
+    # whole seconds every line of a short run's first second would read 0), its own fields kept as given.
+    now = [train.START_TIME + 12.3456]
+    monkeypatch.setattr(train, 'time', SimpleNamespace(time=lambda: now[0]))
+    r = SimpleNamespace(master=True, wandb=None, metrics_path=str(tmp_path / 'metrics.jsonl'), metrics_lost=0)
+    train.log_metrics(r, {'iter': 3, 'tokens': 96, 'loss': 2.5})
+    now[0] = train.START_TIME + 0.4
+    train.log_metrics(r, {'iter': 4, 'tokens': 128, 'loss': 2.25})
+    assert read_metrics(tmp_path) == [{'iter': 3, 'tokens': 96, 'loss': 2.5, 'time_s': 12.346},
+                                      {'iter': 4, 'tokens': 128, 'loss': 2.25, 'time_s': 0.4}]
+
+
+def test_a_signal_during_an_evaluation_saves_its_checkpoint_once(data, tmp_path, monkeypatch, capsys, save_log):
+    # Reference: stopped's docstring: a signal saves the checkpoint "unless this iteration's is". One that comes during
+    # the evaluation at iteration 2 (which writes ckpt.pt and best.pt at 2) stops the run there, with 128 + SIGTERM
+    # and the resume command, and ckpt.pt at 2 is written once: a second save of the same state (minutes for a large
+    # model) is only time lost.
+    real, calls = train.estimate_loss, []
+
+    def estimate_loss(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation at 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=8')) == 128 + signal.SIGTERM
+    assert 'SIGTERM: saved' in capsys.readouterr().out
+    assert [(name, it) for name, it, _ in save_log if name == 'ckpt.pt'] == [('ckpt.pt', 0), ('ckpt.pt', 2)]
+
+
+def test_the_log_lines_mfu_is_the_logged_mfu_in_percent(data, tmp_path, monkeypatch, capsys):
+    # Reference: metrics.jsonl's mfu of each training line (a fraction of the peak, a fake peak of 1e9 FLOP/s), which
+    # the printed line gives in percent, to one decimal, against the run's dtype's peak (float32: TF32).
+    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': 1e9)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--max_iters=3')) == 0
+    text = capsys.readouterr().out
+    printed = [float(m) for m in re.findall(r'^iter \d+: loss .*, mfu ([\d.]+)% of TF32 peak, ', text, re.M)]
+    logged = [r['mfu'] for r in read_metrics(out) if 'loss' in r]
+    assert len(printed) == len(logged) == 3 and all(m > 0 for m in logged)
+    assert printed == [round(100 * m, 1) for m in logged]
