@@ -1856,8 +1856,8 @@ def test_failed_move_of_an_earlier_run_is_an_error_and_keeps_it(data, tmp_path, 
 
 def test_out_dir_error_under_torchrun_stops_every_process(data, tmp_path):
     # Process 0 alone probes out_dir; the other one must not hang at the next collective, nor write.
-    # Reference: both processes end; process 0 prints a one-line error naming the path and the reason, the other
-    # nothing ("process 0 stopped with an error" would say nothing more).
+    # Reference: both processes end; process 0 prints a one-line error naming itself, the path and the reason, the
+    # other nothing ("process 0 stopped with an error" would say nothing more).
     out = tmp_path / 'out'
     out.write_bytes(b'notes')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
@@ -1866,7 +1866,8 @@ def test_out_dir_error_under_torchrun_stops_every_process(data, tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS='1'))
     output = proc.stdout + proc.stderr
     errors = re.findall(r'^train\.py: error: (.*)$', output, re.M)
-    assert proc.returncode != 0 and errors == [f'out_dir {out} is a file, not a directory'], output[-3000:]
+    assert proc.returncode != 0 and errors == [f'process 0 of 2: out_dir {out} is a file, not a directory'], \
+        output[-3000:]
     assert read_bytes(out) == b'notes'
 
 
