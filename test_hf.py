@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 os.environ['HF_HUB_OFFLINE'] = '1'  # before transformers is imported: nothing may come from the network
 
@@ -1280,3 +1281,43 @@ def test_tokenizer_advice_names_what_the_model_directory_holds(tmp_path):
         f" (character level, with the characters of {tmp_path}/char_vocab.json)"
     (tmp_path / 'tokenizer.json').write_text('{}')
     assert train.tokenizer_advice(str(tmp_path)) == f" (prepare_data.py --tokenizer=hf:{tmp_path})"
+
+
+@pytest.mark.parametrize('block_size, ok', [(64, True), (65, False)])
+def test_hf_block_size_up_to_max_position_embeddings(hf_dirs, block_size, ok):
+    # Reference: the model directory's config.json, max_position_embeddings=64 (test_hf.py's HF_COMMON): the RoPE
+    # positions the model was trained for; a block_size of exactly that many is the model's full context, and
+    # allowed; one more is refused, naming both.
+    path = hf_dirs['llama_gqa']
+    cfg = SimpleNamespace(**dict(train.DEFAULTS, init_from=f'hf:{path}', block_size=block_size))
+    if ok:
+        assert train.model_shape(cfg, [f'--block_size={block_size}'])['block_size'] == block_size
+    else:
+        with pytest.raises(ConfigError, match='block_size=65 is longer than max_position_embeddings=64'):
+            train.model_shape(cfg, [f'--block_size={block_size}'])
+
+
+def test_resumed_hf_finetune_takes_the_runs_dropout_not_the_checkpoints(hf_dirs, hf_data, tmp_path):
+    # Reference: model_shape's rule (dropout is the run's setting, as block_size, never taken from the checkpoint's
+    # shape) and what the resume says: a finetune started with --dropout=0.1 and resumed without the flag trains on
+    # with the default dropout 0.0, the model it saves says so, and the resume lists the change.
+    out = tmp_path / 'out'
+    common = [a for a in FINETUNE if not a.startswith('--dropout=')] + [f'--data_dir={hf_data}', f'--out_dir={out}',
+                                                                       '--eval_at_start=False']
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert train.main(common + [f'--init_from=hf:{hf_dirs["llama_gqa"]}', '--dropout=0.1', '--max_iters=1']) == 0
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['model_args']['dropout'] == 0.1
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = train.main(common + ['--max_iters=2', '--init_from=resume'])
+    assert code == 0 and '  dropout: 0.1 -> 0.0\n' in printed.getvalue()
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['model_args']['dropout'] == 0.0
+
+
+def test_finetune_says_where_its_weights_come_from_and_how_many(finetune, hf_dirs):
+    # Reference: a model built here from the same directory (test_hf.py's ours_from_hf): its parameter count (the
+    # untied head counted once, as num_params does) in the start line of a finetune.
+    path = hf_dirs['llama_gqa']
+    _, _, printed = finetune
+    assert f"weights from {path} ({ours_from_hf(path).num_params() / 1e6:.2f}M parameters), a fresh optimizer\n" \
+        in printed

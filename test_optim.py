@@ -1270,3 +1270,257 @@ def test_state_where_lists_the_places_largest_first():
     opt.state['b']['state1'] = paged = torch.zeros(1000)
     paged.is_paged = True
     assert train.state_where(opt) == '90.7% paged CUDA managed memory, 9.3% CPU memory'  # 4,000 and 410 of 4,410
+
+
+# ----------------------------------------------------------------------------------------------------
+# what a seventh mutation run of train.py found unchecked: setup's branches (FSDP and DDP in a gloo group of one
+# process, given to setup as rank 0 of 2), the optimizers' edges, FP8's gate, the start-up report's lines, the
+# deterministic switch
+
+@pytest.mark.parametrize('avx512_bf16, amx, want', [(True, False, True), (False, True, True), (False, False, False),
+                                                    (None, None, False)])
+def test_cpu_has_bf16_is_either_probe(monkeypatch, avx512_bf16, amx, want):
+    # Reference: cpu_has_bf16's docstring: AVX512-BF16 *or* AMX makes bf16 native (a Zen 4 or Cooper Lake CPU has the
+    # first without the second), and a probe torch lacks (None: removed here) counts as no.
+    for name, value in (('_is_avx512_bf16_supported', avx512_bf16), ('_is_amx_tile_supported', amx)):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value)
+    assert train.cpu_has_bf16() is want
+
+
+@pytest.mark.parametrize('optimizer', ['muon', 'adamw8bit'])
+def test_one_process_with_parallelism_fsdp_takes_any_optimizer_with_a_warning(data, tmp_path, capsys, optimizer):
+    # Reference: the docstring and setting_warnings: "in one process parallelism is a warning"; FSDP's refusal of
+    # optimizers other than AdamW applies under torchrun only, so a single-process run with parallelism='fsdp' trains
+    # with muon or adamw8bit (one step here) and says parallelism has no effect.
+    code, _ = main_capture(args(data, tmp_path / 'out', '--parallelism=fsdp', f'--optimizer={optimizer}',
+                                '--max_iters=1', '--eval_at_start=False'))
+    assert code == 0
+    assert "parallelism='fsdp' has no effect: one process runs the whole model" in capsys.readouterr().err
+    assert os.path.exists(tmp_path / 'out' / 'ckpt.pt')
+
+
+def test_muon_skips_a_parameter_without_a_gradient_as_torch_muon_does():
+    # Reference: torch.optim.Muon: a parameter whose .grad is None (unused in this step) is left as it is, weight
+    # decay included, and gets no state; the others step as usual (and as torch's, within its bf16 Newton-Schulz).
+    grad = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    results = []
+    for cls, kw in ((train.Muon, {}), (torch.optim.Muon, dict(adjust_lr_fn='match_rms_adamw'))):
+        a, b = (nn.Parameter(torch.randn(32, 16, generator=torch.Generator().manual_seed(i))) for i in (1, 2))
+        opt = cls([a, b], lr=2e-2, weight_decay=0.5, **kw)
+        a.grad = grad.clone()
+        before = b.detach().clone()
+        opt.step()
+        assert torch.equal(b.detach(), before) and b not in opt.state
+        results.append(a.detach().clone())
+    assert ((results[0] - results[1]).norm() / results[1].norm()).item() < 0.03  # torch's Newton-Schulz runs in bf16
+
+
+def test_torch_ns_dtype_is_bf16_on_cuda_where_auto_changes_nothing():
+    # Reference: torch.optim.Muon's Newton-Schulz, which runs in bf16 (its grad.bfloat16()), what Muon without an
+    # ns_dtype and every run before muon_dtype did on CUDA; muon_dtype='auto' keeps it there, so a resume of such a
+    # checkpoint on a GPU changes nothing (start_or_resume compares the two), while on a CPU it stayed float32.
+    assert train.torch_ns_dtype('cuda') == 'bfloat16' == train.muon_ns_dtype('auto', 'cuda')[0]
+    assert train.torch_ns_dtype('cpu') == 'float32' and train.torch_ns_dtype('mps') == 'float32'
+
+
+@pytest.mark.parametrize('spare', [-1, 0])
+def test_paged_adamw8bit_needs_two_bytes_per_parameter_of_free_gpu_memory(monkeypatch, spare):
+    # Reference: 8-bit AdamW's state by hand: two uint8 moments per parameter, 2 bytes each, the figure the refusal
+    # checks against free GPU memory (faked here); one byte short of it is refused, exactly that much is accepted.
+    bnb = pytest.importorskip('bitsandbytes', reason='bitsandbytes is not installed')
+    monkeypatch.setattr(train, 'import_bitsandbytes', lambda name, device_type: bnb)
+    model = tiny_model()
+    need = 2 * sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda *a: (need + spare, 1 << 40))
+    if spare < 0:
+        with pytest.raises(train.TrainError, match='paged_adamw8bit needs about'):
+            train.configure_optimizer(model, opt_cfg(optimizer='paged_adamw8bit'), 'cuda')
+    else:
+        assert type(train.configure_optimizer(model, opt_cfg(optimizer='paged_adamw8bit'), 'cuda')).__name__ == \
+            'PagedAdamW8bit'
+
+
+@pytest.mark.parametrize('bf16_units, want', [
+    (False, 'Newton-Schulz in float32 (cpu has no native bf16 matmul)'),
+    (True, 'Newton-Schulz in bfloat16 (this CPU has bf16 dot products: AVX512-BF16 or AMX)')])
+def test_report_names_muons_newton_schulz_dtype_and_why(data, tmp_path, monkeypatch, bf16_units, want):
+    # Reference: muon_dtype's rule by hand ('auto': bf16 where the CPU has bf16 units, faked here, else float32), as
+    # the start-up report's optimizer line must state it; an AdamW run's line names no Newton-Schulz.
+    monkeypatch.setattr(train, 'cpu_has_bf16', lambda: bf16_units)
+    code, out = main_capture(args(data, tmp_path / 'muon', '--optimizer=muon', '--max_iters=0'))
+    assert code == 0 and f"\n  optimizer         muon, {want}\n" in out, out
+    code, out = main_capture(args(data, tmp_path / 'adamw', '--max_iters=0'))
+    assert code == 0 and '\n  optimizer         adamw\n' in out
+
+
+@pytest.mark.parametrize('capability, ok', [((8, 9), True), ((9, 0), True), ((8, 6), False), ((8, 0), False)])
+def test_fp8_takes_compute_capability_8_9_and_newer(monkeypatch, capability, ok):
+    # Reference: the FP8 tensor cores' requirement as the error states it: capability 8.9 (L4, RTX 4090) or newer
+    # (H100: 9.0); 8.6 (RTX 3090) and 8.0 (A100) are refused. The GPU is faked; the conversion itself is torchao's
+    # swap of the modules, which runs on CPU tensors: the MLP's up projection (1408 x 256) is the one layer large
+    # enough for tensorwise FP8 (N > 1024).
+    pytest.importorskip('torchao')
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: 'a faked GPU')
+    model = tiny_model(n_embd=256, n_head=4)
+    if ok:
+        assert train.convert_to_fp8(model, 'tensorwise', 'cuda') == ['blocks.0.mlp.up']
+    else:
+        with pytest.raises(train.TrainError, match='compute capability 8.9 or newer .* this run is on a faked GPU'):
+            train.convert_to_fp8(model, 'tensorwise', 'cuda')
+
+
+@pytest.mark.parametrize('preset', [None, ':16:8'])
+def test_deterministic_switch_errors_for_the_run_and_puts_back_the_callers_setting(monkeypatch, preset):
+    # Reference: torch's own switches, read back. deterministic=True turns deterministic algorithms on as errors (an
+    # op without a deterministic kernel stops the run, as the config's comment says; not warn_only), sets cuBLAS's
+    # workspace (:4096:8, one of the two values cuBLAS documents; a value already set is kept), and the function it
+    # returns puts back exactly what the caller had: here deterministic on with warn_only, as a test suite may set.
+    if preset is None:
+        monkeypatch.delenv('CUBLAS_WORKSPACE_CONFIG', raising=False)
+    else:
+        monkeypatch.setenv('CUBLAS_WORKSPACE_CONFIG', preset)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        restore = train.deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == (preset or ':4096:8')
+        restore()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert train.deterministic_algorithms(False)() is None
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # off: nothing touched
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_report_says_attention_under_cpu_autocast_and_pinned_memory_off_the_gpu(data, tmp_path, dtype):
+    # Reference: model.attend's rule (under CPU autocast attention runs in float32: test_train.py's
+    # test_attention_under_cpu_autocast_runs_in_float32) and Batches' (page-locked memory on CUDA only), as the
+    # start-up report's lines must state them for a CPU run in each dtype.
+    flags = [a for a in args(data, tmp_path / 'out', '--max_iters=0', '--eval_at_start=False')
+             if a != '--dtype=float32']
+    code, out = main_capture(flags + [f'--dtype={dtype}'])
+    assert code == 0
+    note = '; float32 under CPU autocast: model.attend' if dtype == 'bfloat16' else ''
+    attention = f"F.scaled_dot_product_attention (flash/memory-efficient kernels on CUDA{note})"
+    assert f"\n  attention         {attention}\n" in out
+    assert '\n  pinned memory     off (CUDA only)\n' in out
+
+
+@contextlib.contextmanager
+def fsdp_setup(data, tmp_path, *extra, parallelism='fsdp'):
+    """train.setup's FSDP (or DDP) branch in this process: a gloo group of one, given to setup as rank 0 of 2."""
+    import torch.distributed as dist
+    argv = args(data, tmp_path / 'out', f'--parallelism={parallelism}', '--dtype=bfloat16',
+                '--gradient_accumulation_steps=4', '--max_iters=0', *extra)
+    cfg = SimpleNamespace(**train.configure(train.DEFAULTS, argv, train.__file__))
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "rendezvous"}', rank=0, world_size=1)
+    try:
+        r = train.setup(cfg, argv, 'cpu', 0, 2)
+        assert r.parallel_note == ('FSDP2' if parallelism == 'fsdp' else 'DDP') + ', 2 processes'
+        yield r
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_runs_without_autocast_its_policy_computes_in_the_dtype(data, tmp_path):
+    # Reference: FSDP2's MixedPrecisionPolicy (param_dtype bf16), which casts the weights and inputs itself: setup's
+    # FSDP run must call the model with autocast off (its autocast is a no-op context), so that the loss is the one
+    # the policy alone gives, bit for bit: the sharded model called with no autocast at all.
+    with fsdp_setup(data, tmp_path) as r:
+        x, y = r.batches.next()
+        with r.autocast:
+            assert not torch.is_autocast_enabled('cpu')
+            got = r.model(x, y)[1]
+        want = r.model(x, y)[1]
+    assert torch.equal(got, want)
+
+
+def test_fsdp_reduces_the_gradients_once_per_step_in_float32(data, tmp_path, monkeypatch):
+    # Reference: FSDP2's own reduction (foreach_reduce, spied on), and the rule setup states: under a bf16 policy the
+    # gradients are reduce-scattered after the last micro-step only (2 micro-steps per process here), once per
+    # sharded module (the block: 6 tensors; the root: the embedding and the final norm), and until then accumulated
+    # whole in float32 (reduce_dtype), not in the compute dtype.
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    reduced, real = [], param_group.foreach_reduce
+
+    def spy(fsdp_params, grads, *rest, **kwargs):
+        reduced.append((len(grads), {g.dtype for g in grads}))
+        return real(fsdp_params, grads, *rest, **kwargs)
+    monkeypatch.setattr(param_group, 'foreach_reduce', spy)
+    with fsdp_setup(data, tmp_path) as r:
+        assert r.accum_steps == 2
+        _, _, ok = train.train_step(r.model, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast, 1.0,
+                                    grad_sync=r.grad_sync)
+    assert ok
+    assert reduced == [(6, {torch.float32}), (2, {torch.float32})]
+
+
+def test_ddp_all_reduces_once_per_step_after_the_last_micro_step(data, tmp_path):
+    # Reference: DDP's own communication, seen through a comm hook (which here stands in for the all-reduce of a
+    # group of one, passing each bucket through): with 2 micro-steps per process the gradients go out once per
+    # optimizer step, after the last micro-step (no_sync before it), one bucket for this model's gradients.
+    sent = []
+
+    def hook(state, bucket):
+        sent.append(bucket.buffer().numel())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+    with fsdp_setup(data, tmp_path, parallelism='ddp') as r:
+        r.wrapped.register_comm_hook(None, hook)
+        for _ in range(2):
+            _, _, ok = train.train_step(r.wrapped, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast, 1.0,
+                                        grad_sync=r.grad_sync, grad_views=r.grad_views)
+            assert ok
+        n = sum(p.numel() for p in r.model.parameters())
+    assert r.accum_steps == 2 and sent == [n, n]
+
+
+@pytest.mark.parametrize('vocab_size, ok', [(40, True), (39, False)])
+def test_a_vocab_size_equal_to_the_datas_is_enough(data, tmp_path, vocab_size, ok):
+    # Reference: the data's meta.json, 40 ids (test_optim.py's V, ids 0 to 39): an embedding of exactly 40 rows holds
+    # every id, and the run trains; one row fewer is refused, naming both sizes.
+    argv = args(data, tmp_path / 'out', f'--vocab_size={vocab_size}', '--max_iters=1', '--eval_at_start=False')
+    if ok:
+        assert main_capture(argv)[0] == 0
+        assert torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)['model_args']['vocab_size'] == 40
+    else:
+        with pytest.raises(train.TrainError, match=r"vocab_size=39 is smaller than the dataset's vocabulary \(40, "):
+            main_capture(argv)
+
+
+def test_optimizer_state_bytes_count_the_offload_optimizers_gpu_part_too():
+    # Reference: AdamW's state by hand (two float32 moments per element, a 4-byte step per tensor), for an object
+    # shaped as torchao's CPUOffloadOptimizer: an optimizer per large tensor (optim_dict, on the CPU) and one for the
+    # small tensors (d_opt, on the GPU): both parts count, each tensor once.
+    big, small = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(64))
+    optim_dict = {big: torch.optim.AdamW([big])}
+    d_opt = torch.optim.AdamW([small])
+    for p, opt in ((big, optim_dict[big]), (small, d_opt)):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    offload = SimpleNamespace(optim_dict=optim_dict, d_opt=d_opt)
+    assert train.optimizer_state_bytes(offload) == 8 * (64 * 64 + 64) + 4 * 2
+    assert train.state_where(offload) == '100% CPU memory'
+
+
+def test_fsdp_refuses_float16(data, tmp_path):
+    # Reference: the docstring ("FSDP2 ... refuses float16": its policy has no GradScaler to pair with fp16).
+    with pytest.raises(ConfigError, match=r"parallelism='fsdp' runs in bfloat16 or float32, not float16: set dtype"):
+        with fsdp_setup(data, tmp_path, '--dtype=float16'):
+            pass
+
+
+def test_optimizer_offload_under_torchrun_names_the_process_count(data, tmp_path):
+    # Reference: the rule as the error states it (torchao's offload optimizer runs in one process): a DDP run of 2
+    # processes is refused with that among the unmet conditions, beside the CPU's and grad_clip's.
+    with pytest.raises(ConfigError, match=r"optimizer_offload=True needs one process, not 2 processes; a CUDA GPU, "):
+        with fsdp_setup(data, tmp_path, '--optimizer_offload=True', parallelism='ddp'):
+            pass
