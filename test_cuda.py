@@ -1269,6 +1269,20 @@ def test_bench_profile_finds_what_launched_each_idle_gap(tmp_path):
 
 
 @gpu
+def test_a_float32_run_on_cuda_takes_tf32_matmuls(tmp_path, gpu_data):
+    # Reference: torch's switch, read back: a CUDA run sets float32 matmuls to 'high' (README: "TF32 matmuls ... are
+    # on for CUDA"), whatever the process had ('highest' here, torch's default); eager, one step
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision('highest')
+    try:
+        gpu_run(COMMON + SMALL + ['--dtype=float32', '--compile=False', '--max_iters=1', '--eval_interval=1',
+                                  f'--data_dir={gpu_data}', f'--out_dir={tmp_path / "o"}'])
+        assert torch.get_float32_matmul_precision() == 'high'
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+@gpu
 def test_sample_from_an_fp8_checkpoint(tmp_path, gpu_data):
     # Reference: sample.py's contract: num_samples rows of the prompt plus max_new_tokens characters of the
     # dataset's vocabulary, from a checkpoint trained with FP8 layers (saved as plain nn.Linear weights).
