@@ -1894,3 +1894,210 @@ def test_an_out_that_cannot_be_written_is_an_error_before_any_measurement(tmp_pa
     monkeypatch.setattr(bench, 'ladder', lambda env: pytest.fail('measured before out was checked'))
     with pytest.raises(train.TrainError, match=re.escape(f"out {tmp_path / 'a_file'} is a file, not a directory")):
         bench.main([*TINY, f'--out={tmp_path / "a_file"}'])
+
+
+# ----------------------------------------------------------------------------------------------------
+# what a seventh mutation run of bench.py found unchecked: its flags' ranges, the median and the loss means by
+# hand, each rung's TF32 and autocast as torch reads them, bench.md's and the chart's words
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16_if_native'])
+def test_dtype_takes_only_the_mixed_precisions_of_rung_3(dtype):
+    # Reference: DEFAULTS' comment: rung 3's dtype is 'auto', 'bfloat16' or 'float16'. train.py's other choices
+    # would make rung 3 a float32 rung (train.pick_dtype passes them through), skipped as 'as configured': a whole
+    # ladder without its mixed-precision rung, where the flag asked for something; an error that names it instead.
+    with pytest.raises(bench.ConfigError, match=re.escape(f"dtype='{dtype}': expected one of 'auto', 'bfloat16', "
+                                                          "'float16'")):
+        bench.read_args([f'--dtype={dtype}'])
+
+
+@pytest.mark.parametrize('mode', ['ladder', 'profile'])
+def test_rung_0_is_out_of_range(mode):
+    # Reference: the docstring's ladder, numbered from 1 (read_args: 'the rungs parsed and in range'). A rung 0
+    # would run no rung of the ladder at all, and in profile mode index (LADDER + MEMORY)[-1]: the FP8 rung on
+    # the fp32 baseline, a rung the ladder never builds.
+    with pytest.raises(bench.ConfigError, match=re.escape('rungs=[0]: the ladder\'s rungs are numbered 1 to 12')):
+        bench.read_args([f'--mode={mode}', '--rungs=0'])
+
+
+def test_a_negative_gradient_accumulation_is_a_config_error():
+    # Reference: the other counts' message (setup: '... must be at least 1'); without the check the ladder ran
+    # and every rung failed in train.Batches ('gets no micro-batch of a draw of -1'), after the whole setup
+    with pytest.raises(bench.ConfigError, match=re.escape('gradient_accumulation_steps=-1 must be at least 1')):
+        bench.setup([*TINY, '--gradient_accumulation_steps=-1'])
+
+
+def test_an_even_number_of_repeats_takes_the_median_between_the_middle_two(monkeypatch):
+    # Reference: the median by hand, with a made-up clock that only the steps advance. Four repeats of one step
+    # taking 0.4, 0.1, 0.3 and 0.2 s: the median is (0.2 + 0.3) / 2 = 250 ms (the higher middle one would be 300,
+    # the lower 200); of 0.4, 0.1, 0.3 and 1.0 s it is (0.3 + 0.4) / 2 = 350 ms (the mean would be 450)
+    for durations, want in [([0.4, 0.1, 0.3, 0.2], 250), ([0.4, 0.1, 0.3, 1.0], 350)]:
+        clock, ticks = [0.0], iter([5.0, *durations])  # the warm-up step first
+        real_step = train.train_step
+
+        def train_step(*args):
+            out = real_step(*args)
+            clock[0] += next(ticks)
+            return out
+        env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=4'])
+        monkeypatch.setattr(train, 'train_step', train_step)
+        monkeypatch.setattr(bench, 'time', SimpleNamespace(perf_counter=lambda: clock[0]))
+        row = bench.run_rung(bench.BASE, env)
+        assert row['ms_per_iter'] == pytest.approx(want), durations
+        monkeypatch.undo()
+
+
+def test_only_the_tf32_rungs_run_their_float32_matmuls_on_tf32(monkeypatch):
+    # Reference: the docstring's rung 2 (float32 matmuls on TF32 tensor cores) and torch's own setting for it,
+    # torch.get_float32_matmul_precision ('high': TF32, 'highest': full float32), read as each step runs, on a
+    # made-up GPU (the calls to torch.cuda faked, the model on the CPU, as test_bench's peak-memory test does)
+    seen, real_step = [], train.train_step
+    monkeypatch.setattr(torch.cuda, 'reset_peak_memory_stats', lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, 'empty_cache', lambda: None)
+    monkeypatch.setattr(train, 'train_step', lambda *args: seen.append(torch.get_float32_matmul_precision()) or
+                        real_step(*args))
+    env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=1'])
+    env.device_type = 'cuda'  # (env.device stays the CPU)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        for tf32, want in ((True, 'high'), (False, 'highest'), (True, 'high')):
+            seen.clear()
+            bench.run_rung({**bench.BASE, 'tf32': tf32}, env)
+            assert seen == [want] * 2, tf32  # the warm-up step and the timed one
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_the_auto_preset_is_gpt2_on_cuda_only(monkeypatch):
+    # Reference: DEFAULTS' comment and the docstring: 'auto' is gpt2 on CUDA, small elsewhere; on a Mac (MPS, faked:
+    # train's device check and pick) that is small, not GPT-2's 124M model at 524,288 tokens a step
+    monkeypatch.setattr(train, 'check_device', lambda device: None)
+    monkeypatch.setattr(train, 'pick_device', lambda device: 'mps')
+    env = bench.setup(['--device=mps', '--data_dir=no-such-dir'])
+    assert (env.device_type, env.preset) == ('mps', 'small')
+    assert {k: getattr(env, k) for k in bench.PRESETS['small']} == bench.PRESETS['small']
+
+
+def test_loss_means_over_an_odd_number_of_timed_steps_take_the_last_half():
+    # Reference: the means by hand. 21 timed steps (e.g. 3 repeats x 7 steps) with losses 1 to 21 and three times
+    # that: the last half is the last 10 (21 // 2), 12 to 21, mean 16.5, and 49.5 (+200%); steps 11 to 21, or a sum
+    # of 11 losses over 10, would be another figure.
+    rows = [dict(rung=1, status='ok', losses=[float(i) for i in range(1, 22)]),
+            dict(rung=4, status='ok', losses=[3.0 * i for i in range(1, 22)])]
+    assert bench.loss_means(rows) == ('loss, mean of the last 10 of the 21 timed steps: rung 1 16.50000; rung 4 '
+                                      '49.50000 (+200.00% against rung 1)')
+
+
+def test_the_report_states_its_timing_and_its_mb_as_mib():
+    # Reference: the run's flags, as the docstring words a rung's timing ('warmup' steps untimed, then the median of
+    # `repeats` timings of `steps` steps: 5 timings of 2 steps here); the columns' figures are bytes / 2**20
+    # (test_bench's test_memory_figures_are_in_mib): the report must say so, or its 'MB' reads as 10^6 bytes
+    env = bench.setup([*TINY, '--warmup=1', '--steps=2', '--repeats=5'])
+    md = bench.markdown([], env.meta)
+    assert '- timing: median of 5 x 2 steps after 1 warm-up steps;' in md
+    assert '; MB: 2^20 bytes;' in md and '| peak mem MB | activations MB | opt. state MB |' in md
+
+
+def test_the_charts_peak_memory_panel_says_why_it_is_empty_off_cuda(monkeypatch, tmp_path):
+    # Reference: the docstring: peak memory is n/a on the CPU (no figure: its panel is bars of 0); the panel's label
+    # says so, and on CUDA it is the plain label
+    pytest.importorskip('matplotlib')
+    import matplotlib.axes
+    labels, real_xlabel = [], matplotlib.axes.Axes.set_xlabel
+    monkeypatch.setattr(matplotlib.axes.Axes, 'set_xlabel', lambda self, text, *a, **kw: labels.append(text)
+                        or real_xlabel(self, text, *a, **kw))
+    rows, _, env = stand_in_ladder(monkeypatch)
+    for device_type, want in (('cpu', 'peak memory (MB): n/a on cpu'), ('cuda', 'peak memory (MB)')):
+        labels.clear()
+        bench.plot(rows, {**env.meta, 'device_type': device_type}, str(tmp_path / f'{device_type}.png'))
+        assert labels[1] == want, device_type
+
+
+def test_the_precision_column_names_tf32(monkeypatch):
+    # Reference: the docstring's rung 2 (float32 matmuls on TF32 tensor cores) and the precisions by hand: TF32 is
+    # named wherever the rung's float32 matmuls use it, rung 2 listed so where it is skipped (the CPU) too
+    rows, _, _ = stand_in_ladder(monkeypatch)
+    by = {r['rung']: r for r in rows}
+    assert (by[1]['precision'], by[2]['precision']) == ('fp32', 'fp32 (TF32 matmuls)')
+    tf32 = {**bench.BASE, 'tf32': True}
+    assert bench.precision(tf32, 'rowwise') == 'fp32 (TF32 matmuls)'
+    assert bench.precision({**tf32, 'optimizer': 'adamw8bit'}, 'rowwise') == 'fp32 (TF32 matmuls), 8-bit AdamW'
+    assert bench.precision({**tf32, 'dtype': 'bfloat16', 'fp8': True}, 'rowwise') == 'bf16 autocast + FP8 linears ' \
+                                                                                      '(rowwise)'
+
+
+def test_threads_0_keeps_torchs_own_count():
+    # Reference: DEFAULTS' comment ('threads: torch's CPU threads; 0: its default'): torch's count as it was before
+    # setup, here 2 (set by hand), not 1 or any other
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        env = bench.setup(TINY)
+        assert env.threads == 0 and torch.get_num_threads() == 2 and env.meta['device'].endswith(', 2 threads')
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_incomplete_report_names_the_last_rung_it_has(monkeypatch):
+    # Reference: the rows as the ladder saved them after its fifth rung (rungs 1 to 5, two of them skipped on the
+    # CPU): the rungs after rung 5 have not run; the first row's rung (1) would be wrong
+    rows, _, env = stand_in_ladder(monkeypatch)
+    md = bench.markdown(rows[:5], {**env.meta, 'complete': False})
+    assert '\n- incomplete: the rungs after rung 5 have not run (yet)\n' in md
+    assert 'incomplete' not in bench.markdown(rows, {**env.meta, 'complete': True})
+
+
+def test_bench_md_names_torch_and_its_table_is_well_formed(monkeypatch):
+    # Reference: the docstring (bench.md records device, torch, ...: the torch that ran it, torch.__version__) and
+    # GitHub's table syntax: the delimiter row has one cell for each header cell, or the table is not rendered
+    rows, _, env = stand_in_ladder(monkeypatch)
+    lines = bench.markdown(rows, env.meta).splitlines()
+    assert f"- device: {env.meta['device']}; torch {torch.__version__}" in lines
+    header = next(i for i, ln in enumerate(lines) if ln.startswith('| # |'))
+    cells = [ln.strip('|').split('|') for ln in lines[header:header + 2 + len(rows)]]
+    assert all(re.fullmatch(r'-+:?', c) for c in cells[1]), lines[header + 1]  # the delimiter row
+    assert [len(c) for c in cells] == [len(bench.COLUMNS) + 4] * (2 + len(rows))
+
+
+def test_the_charts_title_has_the_run_conditions_and_command(monkeypatch, tmp_path):
+    # Reference: the docstring: bench.png, like bench.json and bench.md, records device, torch, model, batch, date
+    # and command line: the meta's own values, in the chart's title
+    pytest.importorskip('matplotlib')
+    import matplotlib.figure
+    titles, real_suptitle = [], matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, 'suptitle', lambda self, text, *a, **kw: titles.append(text)
+                        or real_suptitle(self, text, *a, **kw))
+    rows, _, env = stand_in_ladder(monkeypatch)
+    meta = env.meta
+    bench.plot(rows, meta, str(tmp_path / 'bench.png'))
+    assert len(titles) == 1 and titles[0].splitlines() == [
+        f"{meta['device']}, torch {torch.__version__}, {meta['params'] / 1e6:.2f}M params, "
+        f"{meta['tokens_per_iter']:,} tokens/iter, {meta['date']}", meta['command']]
+
+
+def test_the_skip_reasons_say_why_and_the_advice_they_give_works(monkeypatch):
+    # Reference: the docstring's ladder (rung 2: TF32 tensor cores, CUDA only; rung 3: as train.pick_dtype chooses,
+    # off on the CPU unless --dtype=bfloat16) and train.pick_dtype's own reason; the advice checked by following it:
+    # with --dtype=bfloat16 rung 3 runs
+    rows, _, env = stand_in_ladder(monkeypatch)
+    by = {r['rung']: r for r in rows}
+    assert by[2]['status'] == by[3]['status'] == 'skipped'
+    assert 'CUDA only' in by[2]['reason'] and 'TF32' in by[2]['reason']
+    assert by[3]['reason'].startswith(train.pick_dtype('auto', 'cpu')[1]) and '--dtype=bfloat16' in by[3]['reason']
+    rows, _, _ = stand_in_ladder(monkeypatch, '--dtype=bfloat16')
+    assert {r['rung']: r['status'] for r in rows}[3] == 'ok'
+
+
+def test_each_rung_computes_under_the_autocast_of_its_dtype(monkeypatch):
+    # Reference: torch's own autocast state (torch.is_autocast_enabled, torch.get_autocast_dtype), read in every
+    # forward of the rung (its steps and the micro-step that counts the activations): none for float32, bf16 for
+    # the bf16 rung, fp16 for the fp16 one (the docstring's rung 3: fp16 + GradScaler)
+    seen, real_forward = [], GPT.forward
+    monkeypatch.setattr(GPT, 'forward', lambda self, *a, **k: seen.append(
+        torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') else None) or real_forward(self, *a, **k))
+    env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=1'])
+    for dtype, want in (('float32', None), ('bfloat16', torch.bfloat16), ('float16', torch.float16)):
+        seen.clear()
+        bench.run_rung({**bench.BASE, 'dtype': dtype}, env)
+        assert seen == [want] * 3, dtype  # the warm-up step, the timed one, the counted micro-step
