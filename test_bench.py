@@ -1551,22 +1551,26 @@ def test_lr_warmup_warms_every_rung_up_as_train_py_then_holds_the_rate(monkeypat
         bench.setup(['--mode=fit', '--lr_warmup=3'])
 
 
-def test_a_rungs_time_is_the_median_repeat_per_step(monkeypatch):
-    # Reference: a made-up clock that only the steps advance. Three repeats of two steps taking 0.2 + 0.4, 0.1 + 0.1
-    # and 0.9 + 0.7 s are 0.3, 0.1 and 0.8 s per step: the median is 300 ms (the mean would be 400, the least 100)
-    clock, durations = [0.0], iter([5.0, 0.2, 0.4, 0.1, 0.1, 0.9, 0.7])  # the warm-up step first
+@pytest.mark.parametrize('steps, repeats, durations, want', [
+    (2, 3, [0.2, 0.4, 0.1, 0.1, 0.9, 0.7], 300), (1, 4, [0.4, 0.1, 0.3, 0.2], 250), (1, 4, [0.4, 0.1, 0.3, 1.0], 350)])
+def test_a_rungs_time_is_the_median_repeat_per_step(monkeypatch, steps, repeats, durations, want):
+    # Reference: the median by hand, with a made-up clock that only the steps advance. Three repeats of two steps
+    # taking 0.2 + 0.4, 0.1 + 0.1 and 0.9 + 0.7 s are 0.3, 0.1 and 0.8 s per step: the median is 300 ms (the mean
+    # would be 400, the least 100). Four repeats of one step: the mean of the middle two, (0.2 + 0.3) / 2 = 250 ms
+    # (the higher middle one would be 300, the lower 200); of 0.4, 0.1, 0.3 and 1.0 s, 350 ms (the mean 450)
+    clock, ticks = [0.0], iter([5.0, *durations])  # the warm-up step first
     real_step = train.train_step
 
     def train_step(*args):
         out = real_step(*args)
-        clock[0] += next(durations)
+        clock[0] += next(ticks)
         return out
-    env = bench.setup([*TINY, '--warmup=1', '--steps=2', '--repeats=3'])
+    env = bench.setup([*TINY, '--warmup=1', f'--steps={steps}', f'--repeats={repeats}'])
     monkeypatch.setattr(train, 'train_step', train_step)
     monkeypatch.setattr(bench, 'time', SimpleNamespace(perf_counter=lambda: clock[0]))
     row = bench.run_rung(bench.BASE, env)
-    assert row['ms_per_iter'] == pytest.approx(300)
-    assert row['tokens_per_sec'] == pytest.approx(4 * 32 / 0.3)
+    assert row['ms_per_iter'] == pytest.approx(want)
+    assert row['tokens_per_sec'] == pytest.approx(4 * 32 / (want / 1000))
 
 
 def test_each_precision_has_its_mfu_peak_and_only_fp16_scales_the_loss(monkeypatch):
@@ -1926,26 +1930,6 @@ def test_a_negative_gradient_accumulation_is_a_config_error():
         bench.setup([*TINY, '--gradient_accumulation_steps=-1'])
 
 
-def test_an_even_number_of_repeats_takes_the_median_between_the_middle_two(monkeypatch):
-    # Reference: the median by hand, with a made-up clock that only the steps advance. Four repeats of one step
-    # taking 0.4, 0.1, 0.3 and 0.2 s: the median is (0.2 + 0.3) / 2 = 250 ms (the higher middle one would be 300,
-    # the lower 200); of 0.4, 0.1, 0.3 and 1.0 s it is (0.3 + 0.4) / 2 = 350 ms (the mean would be 450)
-    for durations, want in [([0.4, 0.1, 0.3, 0.2], 250), ([0.4, 0.1, 0.3, 1.0], 350)]:
-        clock, ticks = [0.0], iter([5.0, *durations])  # the warm-up step first
-        real_step = train.train_step
-
-        def train_step(*args):
-            out = real_step(*args)
-            clock[0] += next(ticks)
-            return out
-        env = bench.setup([*TINY, '--warmup=1', '--steps=1', '--repeats=4'])
-        monkeypatch.setattr(train, 'train_step', train_step)
-        monkeypatch.setattr(bench, 'time', SimpleNamespace(perf_counter=lambda: clock[0]))
-        row = bench.run_rung(bench.BASE, env)
-        assert row['ms_per_iter'] == pytest.approx(want), durations
-        monkeypatch.undo()
-
-
 def test_only_the_tf32_rungs_run_their_float32_matmuls_on_tf32(monkeypatch):
     # Reference: the docstring's rung 2 (float32 matmuls on TF32 tensor cores) and torch's own setting for it,
     # torch.get_float32_matmul_precision ('high': TF32, 'highest': full float32), read as each step runs, on a
@@ -1999,21 +1983,6 @@ def test_the_report_states_its_timing_and_its_mb_as_mib():
     assert '; MB: 2^20 bytes;' in md and '| peak mem MB | activations MB | opt. state MB |' in md
 
 
-def test_the_charts_peak_memory_panel_says_why_it_is_empty_off_cuda(monkeypatch, tmp_path):
-    # Reference: the docstring: peak memory is n/a on the CPU (no figure: its panel is bars of 0); the panel's label
-    # says so, and on CUDA it is the plain label
-    pytest.importorskip('matplotlib')
-    import matplotlib.axes
-    labels, real_xlabel = [], matplotlib.axes.Axes.set_xlabel
-    monkeypatch.setattr(matplotlib.axes.Axes, 'set_xlabel', lambda self, text, *a, **kw: labels.append(text)
-                        or real_xlabel(self, text, *a, **kw))
-    rows, _, env = stand_in_ladder(monkeypatch)
-    for device_type, want in (('cpu', 'peak memory (MB): n/a on cpu'), ('cuda', 'peak memory (MB)')):
-        labels.clear()
-        bench.plot(rows, {**env.meta, 'device_type': device_type}, str(tmp_path / f'{device_type}.png'))
-        assert labels[1] == want, device_type
-
-
 def test_the_precision_column_names_tf32(monkeypatch):
     # Reference: the docstring's rung 2 (float32 matmuls on TF32 tensor cores) and the precisions by hand: TF32 is
     # named wherever the rung's float32 matmuls use it, rung 2 listed so where it is skipped (the CPU) too
@@ -2060,22 +2029,6 @@ def test_bench_md_names_torch_and_its_table_is_well_formed(monkeypatch):
     assert [len(c) for c in cells] == [len(bench.COLUMNS) + 4] * (2 + len(rows))
 
 
-def test_the_charts_title_has_the_run_conditions_and_command(monkeypatch, tmp_path):
-    # Reference: the docstring: bench.png, like bench.json and bench.md, records device, torch, model, batch, date
-    # and command line: the meta's own values, in the chart's title
-    pytest.importorskip('matplotlib')
-    import matplotlib.figure
-    titles, real_suptitle = [], matplotlib.figure.Figure.suptitle
-    monkeypatch.setattr(matplotlib.figure.Figure, 'suptitle', lambda self, text, *a, **kw: titles.append(text)
-                        or real_suptitle(self, text, *a, **kw))
-    rows, _, env = stand_in_ladder(monkeypatch)
-    meta = env.meta
-    bench.plot(rows, meta, str(tmp_path / 'bench.png'))
-    assert len(titles) == 1 and titles[0].splitlines() == [
-        f"{meta['device']}, torch {torch.__version__}, {meta['params'] / 1e6:.2f}M params, "
-        f"{meta['tokens_per_iter']:,} tokens/iter, {meta['date']}", meta['command']]
-
-
 def test_the_skip_reasons_say_why_and_the_advice_they_give_works(monkeypatch):
     # Reference: the docstring's ladder (rung 2: TF32 tensor cores, CUDA only; rung 3: as train.pick_dtype chooses,
     # off on the CPU unless --dtype=bfloat16) and train.pick_dtype's own reason; the advice checked by following it:
@@ -2101,3 +2054,25 @@ def test_each_rung_computes_under_the_autocast_of_its_dtype(monkeypatch):
         seen.clear()
         bench.run_rung({**bench.BASE, 'dtype': dtype}, env)
         assert seen == [want] * 3, dtype  # the warm-up step, the timed one, the counted micro-step
+
+
+def test_the_chart_names_its_run_and_why_peak_memory_is_empty_off_cuda(monkeypatch, tmp_path):
+    # Reference: the docstring: bench.png, like bench.json and bench.md, records device, torch, model, batch, date
+    # and command line (the meta's own values, in its title); peak memory is n/a on the CPU (no figure: its panel is
+    # bars of 0), which the panel's label says, on CUDA the plain label
+    pytest.importorskip('matplotlib')
+    import matplotlib.axes
+    import matplotlib.figure
+    said = []
+    for cls, name in ((matplotlib.axes.Axes, 'set_xlabel'), (matplotlib.figure.Figure, 'suptitle')):
+        monkeypatch.setattr(cls, name, lambda self, text, *a, real=getattr(cls, name), name=name, **kw: said.append(
+            (name, text)) or real(self, text, *a, **kw))
+    rows, _, env = stand_in_ladder(monkeypatch)
+    meta = env.meta
+    for device_type, want in (('cpu', 'peak memory (MB): n/a on cpu'), ('cuda', 'peak memory (MB)')):
+        said.clear()
+        bench.plot(rows, {**meta, 'device_type': device_type}, str(tmp_path / f'{device_type}.png'))
+        assert [text for name, text in said if name == 'set_xlabel'][1] == want, device_type
+        assert [text.splitlines() for name, text in said if name == 'suptitle'] == [[
+            f"{meta['device']}, torch {torch.__version__}, {meta['params'] / 1e6:.2f}M params, "
+            f"{meta['tokens_per_iter']:,} tokens/iter, {meta['date']}", meta['command']]]

@@ -520,16 +520,18 @@ def test_compile_warms_up_every_window_still_ahead(monkeypatch, iter_num, max_it
     assert compiled is model and model.shapes == want and note.startswith('on')
 
 
-@pytest.mark.parametrize('batch_size, short_block_size, eval_iters', [
-    (1, 0, 2), (1, 4, 2), (3, 0, 2), (3, 4, 2),
-    (1, 0, 0), (3, 0, 0), (3, 4, 0)])  # every window of the val split: 28, the last of 10 batches of 3 holds one
-def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, short_block_size, eval_iters):
+@pytest.mark.parametrize('batch_size, short_block_size, eval_iters, label_smoothing', [
+    (1, 0, 2, 0.0), (1, 4, 2, 0.0), (3, 0, 2, 0.0), (3, 4, 2, 0.0), (3, 0, 2, 0.1),
+    (1, 0, 0, 0.0), (3, 0, 0, 0.0), (3, 4, 0, 0.0)])  # eval_iters=0: every window of the val split: 28, the last of
+# 10 batches of 3 holds one
+def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, short_block_size, eval_iters,
+                                            label_smoothing):
     # Reference: Dynamo itself, which compiles a graph whenever a call fails the guards of those it has (a shape, a
-    # stride, grad mode). A run's compiles all belong in compile_model's warm-up, none in the training steps and
-    # evaluations after it (in the timed figures; a failure there would stop the run instead of falling back to
-    # eager). Both once failed this: the warm-up reshaped a batch of one to (1, block_size), another row stride,
-    # so the first step compiled again; it evaluated on a training batch, whose stride the whole split's windows
-    # (eval_iters=0) do not share, nor its last batch's size.
+    # stride, grad mode, an argument such as label_smoothing). A run's compiles all belong in compile_model's warm-up,
+    # none in the training steps and evaluations after it (in the timed figures; a failure there would stop the run
+    # instead of falling back to eager). Both once failed this: the warm-up reshaped a batch of one to (1,
+    # block_size), another row stride, so the first step compiled again; it evaluated on a training batch, whose
+    # stride the whole split's windows (eval_iters=0) do not share, nor its last batch's size.
     graphs, at_warm_up = [], []
 
     def counting_compile(module, mode=None):
@@ -548,8 +550,8 @@ def test_no_step_compiles_after_the_warm_up(tmp_path, monkeypatch, batch_size, s
     data = write_data(tmp_path / 'data')
     argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
             f'--batch_size={batch_size}', f'--short_block_size={short_block_size}', '--short_block_iters=4',
-            '--max_iters=8', '--eval_interval=4', f'--eval_iters={eval_iters}', '--compile=True', f'--data_dir={data}',
-            f'--out_dir={tmp_path / "o"}']
+            '--max_iters=8', '--eval_interval=4', f'--eval_iters={eval_iters}', f'--label_smoothing={label_smoothing}',
+            '--compile=True', f'--data_dir={data}', f'--out_dir={tmp_path / "o"}']
     torch._dynamo.reset()
     try:
         code, out = main_capture(argv)
@@ -700,38 +702,6 @@ def test_compile_failure_warning_names_the_error(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert note.startswith('FAILED') and 'UNCOMPILED' in err
     assert 'RuntimeError: inductor: lowering aten.foo failed' in err
-
-
-def test_no_step_compiles_after_the_warm_up_with_label_smoothing(tmp_path, monkeypatch):
-    # Reference: Dynamo itself (as test_cuda's test_no_step_compiles_after_the_warm_up, there at label_smoothing 0):
-    # the warm-up must call the model as the training steps do, with the run's label_smoothing, or the first
-    # step compiles another graph (in its timed figures).
-    graphs, at_warm_up = [], []
-
-    def counting_compile(module, mode=None):
-        def backend(gm, example_inputs):  # Dynamo's graph as it is, run eagerly
-            graphs.append(gm)
-            return gm.forward
-        return real_compile(module, backend=backend)
-
-    def warm_up(r):
-        out = real_warm_up(r)
-        at_warm_up.append(len(graphs))
-        return out
-    real_compile, real_warm_up = torch.compile, train.compile_model
-    monkeypatch.setattr(torch, 'compile', counting_compile)
-    monkeypatch.setattr(train, 'compile_model', warm_up)
-    data = write_data(tmp_path / 'data')
-    argv = ['--device=cpu', '--dtype=float32', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16',
-            '--batch_size=3', '--max_iters=2', '--eval_interval=2', '--eval_iters=2', '--label_smoothing=0.1',
-            '--compile=True', f'--data_dir={data}', f'--out_dir={tmp_path / "o"}']
-    torch._dynamo.reset()
-    try:
-        code, out = main_capture(argv)
-    finally:
-        torch._dynamo.reset()
-    assert code == 0 and 'compile           on' in out
-    assert at_warm_up == [len(graphs)] and len(graphs) >= 2
 
 
 class DrawsOnTheGpu(torch.nn.Module):
