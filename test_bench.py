@@ -850,24 +850,6 @@ def test_fit_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
     assert (record['variants'][0]['micro_batch'], record['variants'][0]['batch_size']) == (20, 16)
 
 
-@pytest.mark.parametrize('flags, message', [
-    (['--sdpa_backend=cudnn'], "sdpa_backend='cudnn' is a CUDA kernel; on cpu: 'auto' or 'flash'"),
-    (['--sdpa_backend=efficient'], "sdpa_backend='efficient' is a CUDA kernel"),
-    (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
-    (['--mode=fit', '--coordinate_descent_tuning=True'], 'coordinate_descent_tuning does not apply'),
-    (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read repeats: it profiles one rung '
-                                                     '(the top one, or --rungs=N), once'),
-    (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps, compile: it '
-                                                    'searches the micro-batch'),  # (compile: TINY's)
-    (['--mode=fit', '--compile=False'], '--mode=fit does not read compile: it searches the micro-batch, eager'),
-    (['--tokens_per_step=4096'], '--mode=ladder does not read tokens_per_step: it times steps of batch_size x'),
-    (['--loss_chunk_tokens=-2'], "loss_chunk_tokens=-2: -1 (model.py's), 0 (the plain loss) or a size"),
-    (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'")])
-def test_a_variant_that_cannot_apply_is_a_config_error(flags, message):
-    with pytest.raises(bench.ConfigError, match=re.escape(message)):
-        bench.setup([*TINY, *flags])
-
-
 @pytest.mark.parametrize('mode, flag, key', [
     ('fit', '--warmup=2', 'warmup'), ('fit', '--steps=2', 'steps'), ('fit', '--repeats=5', 'repeats'),
     ('fit', '--rungs=8', 'rungs'), ('fit', '--batch_size=8', 'batch_size'),
@@ -902,20 +884,42 @@ def test_the_settings_a_mode_reads_are_not_refused(argv):
         assert str(a[key]).replace(' ', '') in (value, f'[{value}]'), key
 
 
-@pytest.mark.parametrize('flag, message', [
-    ('--n_head=3', 'GPTConfig: n_embd=32 is not divisible by n_head=3'),
-    ('--n_layer=-1', 'GPTConfig: n_layer=-1 must be positive'),
-    ('--threads=-1', 'threads=-1: must be at least 0'),
-    ('--seed=-1', 'seed=-1: must be between 0 and 2**63 - 1'),  # (it was numpy's traceback, where data is missing)
-    ('--seed=9223372036854775808', 'seed=9223372036854775808: must be between 0 and 2**63 - 1'),
-    ('--loss_chunk_tokens=-2', 'loss_chunk_tokens=-2: -1'),  # -1 (model.py's), 0 (the plain loss) or a size
-    ('--device=foo', "device='foo': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
-    ('--device=cuda:7', "device='cuda:7', but this machine has")])
-def test_a_bad_setting_is_a_config_error_naming_it(flag, message):
+@pytest.mark.parametrize('flags, message', [
+    (['--n_head=3'], 'GPTConfig: n_embd=32 is not divisible by n_head=3'),
+    (['--n_layer=-1'], 'GPTConfig: n_layer=-1 must be positive'),
+    (['--threads=-1'], 'threads=-1: must be at least 0'),
+    (['--seed=-1'], 'seed=-1: must be between 0 and 2**63 - 1'),  # (it was numpy's traceback, where data is missing)
+    (['--seed=9223372036854775808'], 'seed=9223372036854775808: must be between 0 and 2**63 - 1'),
+    (['--device=foo'], "device='foo': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    (['--device=cuda:7'], "device='cuda:7', but this machine has"),
+    # the other counts' message: without it every rung failed in train.Batches, after the whole setup
+    (['--gradient_accumulation_steps=-1'], 'gradient_accumulation_steps=-1 must be at least 1'),
+    # the ladder is numbered from 1: rung 0 ran none of it, and in profile mode (LADDER + MEMORY)[-1], the FP8 rung
+    # on the fp32 baseline, a rung the ladder never builds
+    (['--rungs=0'], "rungs=[0]: the ladder's rungs are numbered 1 to 12"),
+    (['--mode=profile', '--rungs=0'], "rungs=[0]: the ladder's rungs are numbered 1 to 12"),
+    # rung 3's dtype is 'auto', 'bfloat16' or 'float16' (DEFAULTS' comment); train.py's other choices made rung 3 a
+    # float32 rung, skipped as 'as configured': a ladder without its mixed-precision rung
+    (['--dtype=float32'], "dtype='float32': expected one of 'auto', 'bfloat16', 'float16'"),
+    (['--dtype=bfloat16_if_native'], "dtype='bfloat16_if_native': expected one of 'auto', 'bfloat16', 'float16'"),
+    (['--sdpa_backend=cudnn'], "sdpa_backend='cudnn' is a CUDA kernel; on cpu: 'auto' or 'flash'"),
+    (['--sdpa_backend=efficient'], "sdpa_backend='efficient' is a CUDA kernel"),
+    (['--mode=fit', '--compile_mode=max-autotune'], 'compile_mode does not apply'),
+    (['--mode=fit', '--coordinate_descent_tuning=True'], 'coordinate_descent_tuning does not apply'),
+    (['--mode=profile', '--rungs=1', '--repeats=5'], '--mode=profile does not read repeats: it profiles one rung '
+                                                     '(the top one, or --rungs=N), once'),
+    (['--mode=fit', '--steps=3', '--batch_size=8'], '--mode=fit does not read batch_size, steps, compile: it '
+                                                    'searches the micro-batch'),  # (compile: TINY's)
+    (['--mode=fit', '--compile=False'], '--mode=fit does not read compile: it searches the micro-batch, eager'),
+    (['--tokens_per_step=4096'], '--mode=ladder does not read tokens_per_step: it times steps of batch_size x'),
+    (['--loss_chunk_tokens=-2'], "loss_chunk_tokens=-2: -1 (model.py's), 0 (the plain loss) or a size"),
+    (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'")])
+def test_a_bad_setting_is_a_config_error_naming_it(flags, message):
     # Reference: the messages of GPTConfig and of train.check_device, which train.py gives for the same values
-    # (a ConfigError is printed as one line, where these were tracebacks of ValueError or RuntimeError)
+    # (a ConfigError is printed as one line, where these were tracebacks of ValueError or RuntimeError), and bench.py's
+    # own for a setting or variant that cannot apply
     with pytest.raises(bench.ConfigError, match=re.escape(message)):
-        bench.setup([*TINY, flag])
+        bench.setup([*TINY, *flags])
 
 
 def test_the_report_records_the_run_conditions(result):
@@ -1901,34 +1905,9 @@ def test_an_out_that_cannot_be_written_is_an_error_before_any_measurement(tmp_pa
 
 
 # ----------------------------------------------------------------------------------------------------
-# what a seventh mutation run of bench.py found unchecked: its flags' ranges, the median and the loss means by
-# hand, each rung's TF32 and autocast as torch reads them, bench.md's and the chart's words
-
-@pytest.mark.parametrize('dtype', ['float32', 'bfloat16_if_native'])
-def test_dtype_takes_only_the_mixed_precisions_of_rung_3(dtype):
-    # Reference: DEFAULTS' comment: rung 3's dtype is 'auto', 'bfloat16' or 'float16'. train.py's other choices
-    # would make rung 3 a float32 rung (train.pick_dtype passes them through), skipped as 'as configured': a whole
-    # ladder without its mixed-precision rung, where the flag asked for something; an error that names it instead.
-    with pytest.raises(bench.ConfigError, match=re.escape(f"dtype='{dtype}': expected one of 'auto', 'bfloat16', "
-                                                          "'float16'")):
-        bench.read_args([f'--dtype={dtype}'])
-
-
-@pytest.mark.parametrize('mode', ['ladder', 'profile'])
-def test_rung_0_is_out_of_range(mode):
-    # Reference: the docstring's ladder, numbered from 1 (read_args: 'the rungs parsed and in range'). A rung 0
-    # would run no rung of the ladder at all, and in profile mode index (LADDER + MEMORY)[-1]: the FP8 rung on
-    # the fp32 baseline, a rung the ladder never builds.
-    with pytest.raises(bench.ConfigError, match=re.escape('rungs=[0]: the ladder\'s rungs are numbered 1 to 12')):
-        bench.read_args([f'--mode={mode}', '--rungs=0'])
-
-
-def test_a_negative_gradient_accumulation_is_a_config_error():
-    # Reference: the other counts' message (setup: '... must be at least 1'); without the check the ladder ran
-    # and every rung failed in train.Batches ('gets no micro-batch of a draw of -1'), after the whole setup
-    with pytest.raises(bench.ConfigError, match=re.escape('gradient_accumulation_steps=-1 must be at least 1')):
-        bench.setup([*TINY, '--gradient_accumulation_steps=-1'])
-
+# what a seventh mutation run of bench.py found unchecked (its flags' ranges: test_a_bad_setting_is_a_config_error_
+# naming_it): the median and the loss means by hand, each rung's TF32 and autocast as torch reads them, bench.md's and
+# the chart's words
 
 def test_only_the_tf32_rungs_run_their_float32_matmuls_on_tf32(monkeypatch):
     # Reference: the docstring's rung 2 (float32 matmuls on TF32 tensor cores) and torch's own setting for it,

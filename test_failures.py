@@ -98,6 +98,21 @@ def signal_at(monkeypatch, iters, signum=signal.SIGTERM):
     monkeypatch.setattr(train, 'train_step', train_step)
 
 
+def signal_in_evaluation(monkeypatch, n, signum=signal.SIGTERM, times=1):
+    """Make the process signal itself `times` times during the nth evaluation of this main() (estimate_loss's nth
+    call, counted from 1). Returns the list that gets an entry per evaluation."""
+    real, calls = train.estimate_loss, []
+
+    def estimate_loss(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return real(*a, **k)
+    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    return calls
+
+
 class InfGrad(torch.autograd.Function):
     """Identity forward (the loss stays finite), infinite gradient backward."""
 
@@ -183,15 +198,8 @@ def test_resume_is_bit_exact(reference_run, tmp_path, monkeypatch, capsys, how):
         assert train.main(args(data_dir, out, *RESUME_FLAGS, '--max_iters=6')) == 0
         stopped_at = 6
     elif how == 'sigterm-during-eval':    # during the evaluation at 4: the run stops after it, with no step more
-        real, calls = train.estimate_loss, []
-
-        def estimate_loss(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:  # the evaluations at 0 and 4
-                os.kill(os.getpid(), signal.SIGTERM)
-            return real(*a, **k)
         with monkeypatch.context() as m:
-            m.setattr(train, 'estimate_loss', estimate_loss)
+            signal_in_evaluation(m, 2)  # the evaluations at 0 and 4
             assert train.main(first) == 128 + signal.SIGTERM
         stopped_at = 4
     else:                                 # a SIGTERM during the step to iteration 3 (or 8, an eval iteration)
@@ -430,15 +438,7 @@ def test_a_second_signal_stops_at_once_and_keeps_the_last_checkpoint(data, tmp_p
     monkeypatch.delenv('WORLD_SIZE', raising=False)
     if local_rank:
         monkeypatch.setenv('LOCAL_RANK', local_rank)
-    real, calls = train.estimate_loss, []
-
-    def estimate_loss(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signum)
-            os.kill(os.getpid(), signum)
-        return real(*a, **k)
-    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    calls = signal_in_evaluation(monkeypatch, 3, signum, times=2)
     out = tmp_path / 'out'
     with pytest.raises(SystemExit) as e:
         train.main(args(data, out, '--eval_interval=2', '--max_iters=8'))
@@ -2112,14 +2112,7 @@ def test_a_signal_during_the_last_evaluation_ends_the_run_as_it_would(data, tmp_
     # max_iters. A signal that comes during the evaluation at max_iters, after which no step is left, changes nothing:
     # the run ends as it would have (train_loop: "after the last one, the run ends as it would"), not with 128 + signum
     # and a command that resumes a finished run.
-    real, calls = train.estimate_loss, []
-
-    def estimate_loss(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:  # evaluations at 0, 2 and 4 = max_iters
-            os.kill(os.getpid(), signum)
-        return real(*a, **k)
-    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    calls = signal_in_evaluation(monkeypatch, 3, signum)  # evaluations at 0, 2 and 4 = max_iters
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4')) == 0
     captured = capsys.readouterr()
@@ -2265,28 +2258,8 @@ def test_a_signal_during_an_evaluation_saves_its_checkpoint_once(data, tmp_path,
     # the evaluation at iteration 2 (which writes ckpt.pt and best.pt at 2) stops the run there, with 128 + SIGTERM
     # and the resume command, and ckpt.pt at 2 is written once: a second save of the same state (minutes for a large
     # model) is only time lost.
-    real, calls = train.estimate_loss, []
-
-    def estimate_loss(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:  # the evaluation at 2
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
-    monkeypatch.setattr(train, 'estimate_loss', estimate_loss)
+    signal_in_evaluation(monkeypatch, 2)  # the evaluation at 2
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=8')) == 128 + signal.SIGTERM
     assert 'SIGTERM: saved' in capsys.readouterr().out
     assert [(name, it) for name, it, _ in save_log if name == 'ckpt.pt'] == [('ckpt.pt', 0), ('ckpt.pt', 2)]
-
-
-def test_the_log_lines_mfu_is_the_logged_mfu_in_percent(data, tmp_path, monkeypatch, capsys):
-    # Reference: metrics.jsonl's mfu of each training line (a fraction of the peak, a fake peak of 1e9 FLOP/s), which
-    # the printed line gives in percent, to one decimal, against the run's dtype's peak (float32: TF32).
-    monkeypatch.setattr(model_module, 'peak_flops', lambda device, dtype='bfloat16': 1e9)
-    out = tmp_path / 'out'
-    assert train.main(args(data, out, '--max_iters=3')) == 0
-    text = capsys.readouterr().out
-    printed = [float(m) for m in re.findall(r'^iter \d+: loss .*, mfu ([\d.]+)% of TF32 peak, ', text, re.M)]
-    logged = [r['mfu'] for r in read_metrics(out) if 'loss' in r]
-    assert len(printed) == len(logged) == 3 and all(m > 0 for m in logged)
-    assert printed == [round(100 * m, 1) for m in logged]

@@ -1277,17 +1277,15 @@ def test_state_where_lists_the_places_largest_first():
 # process, given to setup as rank 0 of 2), the optimizers' edges, FP8's gate, the start-up report's lines, the
 # deterministic switch
 
-@pytest.mark.parametrize('avx512_bf16, amx, want', [(True, False, True), (False, True, True), (False, False, False),
-                                                    (None, None, False)])
-def test_cpu_has_bf16_is_either_probe(monkeypatch, avx512_bf16, amx, want):
-    # Reference: cpu_has_bf16's docstring: AVX512-BF16 *or* AMX makes bf16 native (a Zen 4 or Cooper Lake CPU has the
-    # first without the second), and a probe torch lacks (None: removed here) counts as no.
-    for name, value in (('_is_avx512_bf16_supported', avx512_bf16), ('_is_amx_tile_supported', amx)):
-        if value is None:
-            monkeypatch.delattr(torch.cpu, name, raising=False)
-        else:
-            monkeypatch.setattr(torch.cpu, name, lambda value=value: value)
-    assert train.cpu_has_bf16() is want
+def test_cpu_has_bf16_counts_a_probe_torch_lacks_as_no(monkeypatch):
+    # Reference: cpu_has_bf16's docstring: torch's probes are private helpers, and one that a torch lacks (removed
+    # here) counts as no, not as an error. (Either probe alone makes bf16 native:
+    # test_muon_dtype_follows_the_device_unless_set.)
+    for name in ('_is_avx512_bf16_supported', '_is_amx_tile_supported'):
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    assert train.cpu_has_bf16() is False
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: True, raising=False)
+    assert train.cpu_has_bf16() is True
 
 
 @pytest.mark.parametrize('optimizer', ['muon', 'adamw8bit'])
@@ -1414,7 +1412,7 @@ def test_report_says_attention_under_cpu_autocast_and_pinned_memory_off_the_gpu(
 
 
 @contextlib.contextmanager
-def fsdp_setup(data, tmp_path, *extra, parallelism='fsdp'):
+def setup_as_rank_0_of_2(data, tmp_path, *extra, parallelism='fsdp'):
     """train.setup's FSDP (or DDP) branch in this process: a gloo group of one, given to setup as rank 0 of 2."""
     import torch.distributed as dist
     argv = args(data, tmp_path / 'out', f'--parallelism={parallelism}', '--dtype=bfloat16',
@@ -1433,7 +1431,7 @@ def test_fsdp_runs_without_autocast_its_policy_computes_in_the_dtype(data, tmp_p
     # Reference: FSDP2's MixedPrecisionPolicy (param_dtype bf16), which casts the weights and inputs itself: setup's
     # FSDP run must call the model with autocast off (its autocast is a no-op context), so that the loss is the one
     # the policy alone gives, bit for bit: the sharded model called with no autocast at all.
-    with fsdp_setup(data, tmp_path) as r:
+    with setup_as_rank_0_of_2(data, tmp_path) as r:
         x, y = r.batches.next()
         with r.autocast:
             assert not torch.is_autocast_enabled('cpu')
@@ -1454,7 +1452,7 @@ def test_fsdp_reduces_the_gradients_once_per_step_in_float32(data, tmp_path, mon
         reduced.append((len(grads), {g.dtype for g in grads}))
         return real(fsdp_params, grads, *rest, **kwargs)
     monkeypatch.setattr(param_group, 'foreach_reduce', spy)
-    with fsdp_setup(data, tmp_path) as r:
+    with setup_as_rank_0_of_2(data, tmp_path) as r:
         assert r.accum_steps == 2
         _, _, ok = train.train_step(r.model, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast, 1.0,
                                     grad_sync=r.grad_sync)
@@ -1473,7 +1471,7 @@ def test_ddp_all_reduces_once_per_step_after_the_last_micro_step(data, tmp_path)
         future = torch.futures.Future()
         future.set_result(bucket.buffer())
         return future
-    with fsdp_setup(data, tmp_path, parallelism='ddp') as r:
+    with setup_as_rank_0_of_2(data, tmp_path, parallelism='ddp') as r:
         r.wrapped.register_comm_hook(None, hook)
         for _ in range(2):
             _, _, ok = train.train_step(r.wrapped, r.optimizer, r.scaler, r.batches, r.accum_steps, r.autocast, 1.0,
@@ -1514,7 +1512,7 @@ def test_optimizer_state_bytes_count_the_offload_optimizers_gpu_part_too():
 def test_fsdp_refuses_float16(data, tmp_path):
     # Reference: the docstring ("FSDP2 ... refuses float16": its policy has no GradScaler to pair with fp16).
     with pytest.raises(ConfigError, match=r"parallelism='fsdp' runs in bfloat16 or float32, not float16: set dtype"):
-        with fsdp_setup(data, tmp_path, '--dtype=float16'):
+        with setup_as_rank_0_of_2(data, tmp_path, '--dtype=float16'):
             pass
 
 
@@ -1522,5 +1520,5 @@ def test_optimizer_offload_under_torchrun_names_the_process_count(data, tmp_path
     # Reference: the rule as the error states it (torchao's offload optimizer runs in one process): a DDP run of 2
     # processes is refused with that among the unmet conditions, beside the CPU's and grad_clip's.
     with pytest.raises(ConfigError, match=r"optimizer_offload=True needs one process, not 2 processes; a CUDA GPU, "):
-        with fsdp_setup(data, tmp_path, '--optimizer_offload=True', parallelism='ddp'):
+        with setup_as_rank_0_of_2(data, tmp_path, '--optimizer_offload=True', parallelism='ddp'):
             pass

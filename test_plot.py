@@ -326,6 +326,7 @@ def test_fast_evaluations_redraw_at_most_every_plot_every_s(tmp_path, monkeypatc
     [previous] = glob.glob(str(out / 'previous-*'))
     assert open(os.path.join(previous, 'metrics.png'), 'rb').read() == first
 
+
 def test_plot_metrics_redraws_once_its_last_drawing_is_plot_every_s_old(tmp_path, monkeypatch):
     # Reference: a clock by hand, PLOT_EVERY_S 30 from a start at 0: evaluations at 31 (30 s since the start: a
     # drawing), 32 (1 s since it: none), 62 (31 s: a drawing), 70 (8 s: none), then the last (final: a drawing)

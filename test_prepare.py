@@ -741,19 +741,28 @@ def test_a_utf8_byte_order_mark_is_no_text(tmp_path, monkeypatch, kind):
         assert 0 < plain[0]['val_tokens'] < len(texts[1])  # the split fell inside the second file
 
 
-@pytest.mark.parametrize('kind, encoding, why', [
-    ('txt', 'utf-16', 'its byte-order mark'), ('txt', 'utf-32', 'its byte-order mark'),
-    ('txt', 'utf-16-be', 'of its first'), ('txt', 'utf-16-le', 'of its first'),
-    ('jsonl', 'utf-16', 'its byte-order mark'),
+ENGLISH = 'To be, or not to be, that is the question:\n' * 40
+JAPANESE = '東京都は大きい。' * 40  # in UTF-16 without a NUL byte (no newline, no ASCII): the mark alone can tell
+
+
+@pytest.mark.parametrize('kind, encoding, bom, text, why', [
+    ('txt', 'utf-16', b'', ENGLISH, 'its byte-order mark'), ('txt', 'utf-32', b'', ENGLISH, 'its byte-order mark'),
+    ('txt', 'utf-16-be', b'', ENGLISH, 'of its first'), ('txt', 'utf-16-le', b'', ENGLISH, 'of its first'),
+    ('jsonl', 'utf-16', b'', ENGLISH, 'its byte-order mark'),
+    ('txt', 'utf-16-be', b'\xfe\xff', JAPANESE, 'its byte-order mark'),
+    ('txt', 'utf-16-le', b'\xff\xfe', JAPANESE, 'its byte-order mark'),
+    ('txt', 'utf-32-be', b'\x00\x00\xfe\xff', JAPANESE, 'its byte-order mark'),
 ])
-def test_utf16_and_utf32_files_are_refused_naming_them(tmp_path, kind, encoding, why):
+def test_utf16_and_utf32_files_are_refused_naming_them(tmp_path, kind, encoding, bom, text, why):
     # Reference: the file's name and its encoding's name in the error. Decoded as UTF-8, UTF-16's ASCII would
-    # become the text with a NUL after every character (and the mark two U+FFFD); nothing is written
-    text = 'To be, or not to be, that is the question:\n' * 40
+    # become the text with a NUL after every character (and the mark two U+FFFD); nothing is written. Each of the
+    # Unicode byte-order marks (U+FEFF in each encoding: FE FF for UTF-16 BE, FF FE for UTF-16 LE, 00 00 FE FF for
+    # UTF-32 BE) refuses a file, also one whose UTF-16 has no NUL byte to tell it by
+    assert text == ENGLISH or encoding.startswith('utf-32') or text.encode(encoding).count(0) == 0
     text = json.dumps({'text': text}) + '\n' if kind == 'jsonl' else text
     good = write(tmp_path / f'a.{kind}', text)
     bad = tmp_path / f'b.{kind}'
-    bad.write_bytes(text.encode(encoding))
+    bad.write_bytes(bom + text.encode(encoding))
     with pytest.raises(SystemExit) as e:
         prepare_data.main([f'--input={good},{bad}', f'--data_dir={tmp_path / "out"}'])
     assert str(e.value.code).startswith(f'prepare_data.py: error: {bad}: UTF-16 or UTF-32, not UTF-8')
@@ -789,17 +798,6 @@ def test_a_line_of_multibyte_characters_alone_streams_in_whole_characters(tmp_pa
     _, decode = get_tokenizer(meta)
     assert '\ufffd' not in meta['chars']
     assert decode(train.tolist()) + decode(val.tolist()) == text
-
-
-@pytest.mark.parametrize('bom, encoding', [(b'\xfe\xff', 'utf-16-be'), (b'\xff\xfe', 'utf-16-le'),
-                                           (b'\x00\x00\xfe\xff', 'utf-32-be')])
-def test_each_byte_order_mark_of_utf16_and_utf32_refuses_the_file(tmp_path, bom, encoding):
-    # Reference: the Unicode byte-order marks (U+FEFF in each encoding: FE FF for UTF-16 BE, FF FE for UTF-16 LE,
-    # 00 00 FE FF for UTF-32 BE). Japanese in UTF-16 has no NUL byte, so the mark alone can tell
-    data = bom + ('東京都は大きい。' * 40).encode(encoding)
-    assert encoding.startswith('utf-32') or data.count(0) == 0
-    with pytest.raises(ValueError, match=r'UTF-16 or UTF-32, not UTF-8 \(its byte-order mark\)'):
-        prepare_data.check_start('f.txt', data[:4096])
 
 
 def test_an_hf_vocabulary_with_gaps_in_its_ids_is_sized_by_its_highest_id(tmp_path):
