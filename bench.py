@@ -56,7 +56,9 @@ each timed step's, in order (`losses`: averaged over many steps, they compare tw
 than one step's loss; from 20 timed steps on, bench.md gives each rung's mean over the last half: loss_means).
 The learning rate is train.py's, constant, or warmed up linearly over the first steps (--lr_warmup).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
-torch, model, batch, date and command line. On the CPU, --threads sets torch's threads (a busy machine can be
+torch, model, batch, date and command line (fit: fit.json; profile: profile.md); an earlier run's are moved to
+out/previous-<date-time>-<random>/ first. A rung that fails (out of memory, say) makes the exit code 1, after the
+ladder has run on and its results are written. On the CPU, --threads sets torch's threads (a busy machine can be
 faster on fewer).
 """
 import collections
@@ -466,6 +468,17 @@ VARIANT_READ_BY = {'compile_mode': lambda s: s['compile'], 'sdpa_backend': lambd
                    'loss_chunk_tokens': lambda s: s['chunked_loss'], 'residual': lambda s: s['dtype'] != 'float32'}
 
 
+def no_effect(variants, device_type):
+    """The variants that do nothing on this device (what they are for only CUDA has), each with the reason."""
+    if device_type == 'cuda':
+        return {}
+    notes = {'compile_mode': variants['compile_mode'] == 'reduce-overhead' and
+             f"no effect on {device_type}: CUDA graphs only, so it compiles as 'default' does",
+             'coordinate_descent_tuning': variants['coordinate_descent_tuning'] and
+             f"no effect on {device_type}: it tunes Triton kernels, which only CUDA runs"}
+    return {key: note for key, note in notes.items() if note}
+
+
 def variants_line(meta, ran):
     """The variants of meta, as a line of the report; ran: the settings of the rungs that ran."""
     v = meta['variants']
@@ -474,8 +487,11 @@ def variants_line(meta, ran):
         f" (one chunk: a micro-batch is {micro:,} tokens)" if v['loss_chunk_tokens'] >= micro else ''))
     residual = "in autocast's dtype" if v['residual'] == 'autocast' else 'float32'
     data = 'staged on the device (no loading)' if v['stage_data'] else 'loaded as train.py does'
+    notes = no_effect(v, meta['device_type'])
     tuned = ' + coordinate-descent tuning' if v['coordinate_descent_tuning'] else ''
-    parts = {'compile_mode': f"compile mode {v['compile_mode']}{tuned}",
+    tuned += f" ({notes['coordinate_descent_tuning']})" if 'coordinate_descent_tuning' in notes else ''
+    mode = f" ({notes['compile_mode']})" if 'compile_mode' in notes else ''
+    parts = {'compile_mode': f"compile mode {v['compile_mode']}{mode}{tuned}",
              'sdpa_backend': f"SDPA backend {v['sdpa_backend']}", 'rope': f"RoPE {v['rope']}",
              'loss_chunk_tokens': f"loss chunk {chunk}", 'residual': f"residual stream {residual}",
              'stage_data': f"data {data}"}
@@ -1083,6 +1099,8 @@ def read_args(argv):
         raise ConfigError(f"lr_warmup={a['lr_warmup']}: must be at least 0 (0: a constant learning rate)")
     if a['loss_chunk_tokens'] < -1:
         raise ConfigError(f"loss_chunk_tokens={a['loss_chunk_tokens']}: -1 (model.py's), 0 (the plain loss) or a size")
+    if not a['out']:
+        raise ConfigError("out='': must be a directory, not empty")
     return a
 
 
@@ -1097,10 +1115,12 @@ def setup(argv):
                          f"run is on {device_type}, whose RAM it does not probe; set batch_size by hand there")
     torch.set_num_threads(a['threads'] or torch.get_num_threads())
     a['preset'] = a['preset'] if a['preset'] != 'auto' else 'gpt2' if device_type == 'cuda' else 'small'
-    a.update({k: a[k] or v for k, v in PRESETS[a['preset']].items()})
+    preset = PRESETS[a['preset']]
+    a.update({k: a[k] or v for k, v in preset.items()})
     for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'warmup', 'steps', 'repeats'):
         if a[key] < 1:  # warmup too: torch.compile compiles in the first step
-            raise ConfigError(f"{key}={a[key]} must be at least 1")
+            default = f" (0: the preset's, {preset[key]})" if key in preset else ''
+            raise ConfigError(f"{key}={a[key]} must be at least 1{default}")
     if a['sdpa_backend'] in ('cudnn', 'efficient') and device_type != 'cuda':
         raise ConfigError(f"sdpa_backend={a['sdpa_backend']!r} is a CUDA kernel; on {device_type}: 'auto' or 'flash'")
     try:
@@ -1143,9 +1163,17 @@ def setup(argv):
     return env
 
 
+OUTPUTS = {'ladder': ('bench.json', 'bench.md', 'bench.png'), 'fit': ('fit.json',), 'profile': ('profile.md',)}
+
+
 def main(argv):
     env = setup(argv)
     train.probe_out_dir(env.out, 'out')  # now, not after minutes of measurements
+    for key, note in no_effect(env.meta['variants'], env.device_type).items():
+        print(f"warning: {key}={env.meta['variants'][key]!r} has {note}")
+    # an earlier run's results are kept, never overwritten, nor left beside this run's (a chart of another run)
+    if keep := train.move_aside(env.out, [os.path.join(env.out, name) for name in OUTPUTS[env.mode]]):
+        print(f"{env.out} held an earlier run's {', '.join(OUTPUTS[env.mode])}: moved to {keep}")
     with rope_variant(env.rope):
         return {'ladder': run_ladder, 'fit': fit, 'profile': profile}[env.mode](env)
 
@@ -1173,6 +1201,10 @@ def run_ladder(env):
     table = save(rows, complete=True)
     note = plot(rows, meta, os.path.join(env.out, 'bench.png'))
     print(f"\nwrote {env.out}/bench.json, bench.md" + (f"; {note}" if note else ", bench.png") + "\n\n" + table)
+    if failed := [r for r in rows if r['status'] == 'failed']:  # (skipped is by design: the rung cannot run here)
+        print(f"bench.py: {len(failed)} rung(s) failed: " + '; '.join(f"{r['rung']} {r['name']}: {r['reason']}"
+                                                                     for r in failed), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -1181,3 +1213,7 @@ if __name__ == '__main__':
         sys.exit(main(sys.argv[1:]))
     except (ConfigError, BenchError, train.TrainError) as e:
         sys.exit(f"bench.py: error: {e}")
+    except KeyboardInterrupt:  # what finished is written: bench.json and bench.md after each rung, fit.json after each
+        print("\nbench.py: interrupted; what was written is kept (bench.json and bench.md: the rungs that finished; "
+              "fit.json: the variants that did)", file=sys.stderr)
+        sys.exit(130)

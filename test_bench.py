@@ -577,7 +577,7 @@ def test_the_loss_check_catches_a_rung_that_breaks_the_math(bug, tmp_path, monke
     assert abs(loss['fp32 eager'] - loss['+ fused QKV']) > TOL
 
 
-def test_a_failing_rung_is_reported_and_the_ladder_goes_on(tmp_path, monkeypatch):
+def test_a_failing_rung_is_reported_and_the_ladder_goes_on(tmp_path, monkeypatch, capsys):
     run_rung = bench.run_rung
 
     def flaky(s, env):
@@ -585,11 +585,85 @@ def test_a_failing_rung_is_reported_and_the_ladder_goes_on(tmp_path, monkeypatch
             raise RuntimeError('CUDA out of memory (simulated)')
         return run_rung(s, env)
     monkeypatch.setattr(bench, 'run_rung', flaky)
-    rows = {r['name']: r for r in run_ladder(str(tmp_path))['rungs']}
+    # the ladder goes on and writes everything, then exits 1 naming the rung (a script sees that one failed)
+    assert bench.main([*TINY, f'--out={tmp_path}']) == 1
+    assert capsys.readouterr().err == ("bench.py: 1 rung(s) failed: 9 + act. ckpt full: RuntimeError: CUDA out of "
+                                       "memory (simulated)\n")
+    report = json.load(open(tmp_path / 'bench.json'))
+    assert report['complete'] and (tmp_path / 'bench.png').exists()
+    rows = {r['name']: r for r in report['rungs']}
     assert rows['+ act. ckpt full']['status'] == 'failed'
     assert rows['+ act. ckpt full']['reason'] == 'RuntimeError: CUDA out of memory (simulated)'
     assert rows['+ act. ckpt selective']['status'] == 'ok'
     assert rows['+ act. ckpt selective']['builds_on'] == '+ chunked loss'  # the last ladder rung that ran
+
+
+@pytest.mark.parametrize('mode', ['ladder', 'profile'])
+def test_an_earlier_runs_results_are_moved_aside_not_overwritten(tmp_path, capsys, mode):
+    # Reference: the first run's files, byte for byte, in the one previous-* folder the second run names; the
+    # second run's own files in out/ (a chart of the first beside the second's table misled); a mode moves only
+    # the files it writes (a profile leaves a ladder's results where they are)
+    flags = [*TINY, f'--out={tmp_path}', '--rungs=1', f'--mode={mode}']
+    names = bench.OUTPUTS[mode]
+    assert bench.main(flags) == 0
+    first = {name: (tmp_path / name).read_bytes() for name in names}
+    (tmp_path / 'other.md').write_text('not a result of this mode')
+    other = 'profile.md' if mode == 'ladder' else 'bench.md'
+    (tmp_path / other).write_text('the other mode')
+    capsys.readouterr()
+    assert bench.main(flags) == 0
+    [keep] = tmp_path.glob('previous-*')
+    assert {p.name: p.read_bytes() for p in keep.iterdir()} == first
+    assert all((tmp_path / name).exists() for name in names)
+    assert (tmp_path / other).read_text() == 'the other mode' and (tmp_path / 'other.md').exists()
+    assert f"{tmp_path} held an earlier run's {', '.join(names)}: moved to {keep}" in capsys.readouterr().out
+
+
+def test_variants_that_do_nothing_off_cuda_are_said_so(tmp_path, capsys):
+    # Reference: torch.compile's modes (only reduce-overhead and max-autotune record CUDA graphs, only on CUDA;
+    # max-autotune also tunes the CPU's GEMMs) and inductor's coordinate-descent tuning (Triton kernels only): on
+    # the CPU the first and the last do nothing, which the run says at its start and the report in its variants
+    # line (it read 'compile mode reduce-overhead' as though it had taken effect); on CUDA no such word
+    assert bench.main([*TINY, f'--out={tmp_path}', '--rungs=1', '--compile_mode=reduce-overhead',
+                       '--coordinate_descent_tuning=True']) == 0
+    out = capsys.readouterr().out
+    assert ("warning: compile_mode='reduce-overhead' has no effect on cpu: CUDA graphs only, so it compiles as "
+            "'default' does") in out
+    assert "warning: coordinate_descent_tuning=True has no effect on cpu: it tunes Triton kernels" in out
+    meta = json.load(open(tmp_path / 'bench.json'))
+    assert ("compile mode reduce-overhead (no effect on cpu: CUDA graphs only, so it compiles as 'default' does) + "
+            "coordinate-descent tuning (no effect on cpu: it tunes Triton kernels, which only CUDA runs)"
+            in (tmp_path / 'bench.md').read_text())
+    for mode in ('reduce-overhead', 'max-autotune'):
+        variants = dict(meta['variants'], compile_mode=mode)
+        line = bench.variants_line(dict(meta, variants=variants, device_type='cuda'), [])
+        assert f'compile mode {mode} + coordinate-descent tuning (read by no rung' in line and 'no effect' not in line
+        assert bench.no_effect(variants, 'cuda') == {}
+    assert list(bench.no_effect(dict(meta['variants'], compile_mode='max-autotune'), 'cpu')) == [
+        'coordinate_descent_tuning']
+
+
+def test_an_interrupted_ladder_exits_130_keeping_the_rungs_that_finished(tmp_path):
+    # Reference: what the first rung wrote before Ctrl-C came in the second; the interrupt's one line, no traceback
+    # (it printed 30 lines of one), and the exit code of a process SIGINT stopped (128 + 2)
+    script = """import os, runpy, sys, train
+out, real = sys.argv[1], train.train_step
+def step(*args):  # Ctrl-C once a rung's results are written
+    if os.path.exists(os.path.join(out, 'bench.json')):
+        raise KeyboardInterrupt
+    return real(*args)
+train.train_step = step
+sys.argv = ['bench.py', *sys.argv[2:], f'--out={out}']
+runpy.run_path('bench.py', run_name='__main__')
+"""
+    proc = subprocess.run([sys.executable, '-c', script, str(tmp_path), *TINY, '--rungs=1,4', '--threads=1'],
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(bench.__file__)))
+    assert proc.returncode == 130 and 'Traceback' not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == ("bench.py: interrupted; what was written is kept (bench.json and bench.md: the "
+                                   "rungs that finished; fit.json: the variants that did)")
+    report = json.load(open(tmp_path / 'bench.json'))
+    assert report['complete'] is False and [r['status'] for r in report['rungs']] == ['ok']
+    assert '- incomplete: the rungs after rung 1 have not run (yet)' in (tmp_path / 'bench.md').read_text()
 
 
 @pytest.mark.parametrize('n_kv_head, qk_norm', [(4, False), (2, True), (1, False)])
@@ -656,7 +730,8 @@ def test_variants_reach_the_rungs_they_name(tmp_path, monkeypatch, chunk):
     # the chunk as it splits a 4 x 32 micro-batch; the residual variant is read by no rung: every one is float32
     chunk_words = (f'{size:,} tokens' + (' (one chunk: a micro-batch is 128 tokens)' if size >= 128 else '')
                    if size else '0 (the plain loss)')
-    assert (f'- variants: compile mode max-autotune + coordinate-descent tuning, SDPA backend flash, RoPE halves, '
+    assert (f'- variants: compile mode max-autotune + coordinate-descent tuning (no effect on cpu: it tunes Triton '
+            f'kernels, which only CUDA runs), SDPA backend flash, RoPE halves, '
             f'loss chunk {chunk_words}, '
             'residual stream float32 (read by no rung that ran), data loaded as train.py does') in md
 
@@ -913,7 +988,11 @@ def test_the_settings_a_mode_reads_are_not_refused(argv):
     (['--mode=fit', '--compile=False'], '--mode=fit does not read compile: it searches the micro-batch, eager'),
     (['--tokens_per_step=4096'], '--mode=ladder does not read tokens_per_step: it times steps of batch_size x'),
     (['--loss_chunk_tokens=-2'], "loss_chunk_tokens=-2: -1 (model.py's), 0 (the plain loss) or a size"),
-    (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'")])
+    (['--rope=rotate'], "rope='rotate': expected one of 'flip', 'halves'"),
+    # 0 is the preset's value: the message says so, not only 'at least 1'
+    (['--warmup=-1'], "warmup=-1 must be at least 1 (0: the preset's, 1)"),
+    (['--repeats=0'], 'repeats=0 must be at least 1'),  # (no preset sets repeats: 0 is no default of it)
+    (['--out='], "out='': must be a directory, not empty")])
 def test_a_bad_setting_is_a_config_error_naming_it(flags, message):
     # Reference: the messages of GPTConfig and of train.check_device, which train.py gives for the same values
     # (a ConfigError is printed as one line, where these were tracebacks of ValueError or RuntimeError), and bench.py's
@@ -1414,7 +1493,7 @@ def test_variants_line_marks_what_no_rung_that_ran_reads():
     # sdpa_backend those not on the math kernel, loss_chunk_tokens the chunked-loss rungs, residual those under
     # autocast; rope and stage_data every rung. A chunk as large as a micro-batch (batch_size x block_size tokens,
     # whatever the accumulation) is one chunk.
-    meta = dict(batch_size=4, block_size=32, gradient_accumulation_steps=8, variants=dict(
+    meta = dict(batch_size=4, block_size=32, gradient_accumulation_steps=8, device_type='cpu', variants=dict(
         compile_mode='default', coordinate_descent_tuning=False, sdpa_backend='auto', rope='flip',
         loss_chunk_tokens=128, residual='float32', stage_data=True))
     none = '(read by no rung that ran)'

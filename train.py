@@ -1574,14 +1574,15 @@ def probe_out_dir(out_dir, key='out_dir'):
         raise TrainError(str(e)) from None
 
 
-def move_earlier_run(r):
-    """Move an earlier run's files in out_dir to out_dir/previous-<date-time>-<random>/, never overwrite them."""
-    found = [p for p in (r.ckpt_path, r.best_path, r.metrics_path, r.plot_path) if os.path.exists(p)]
+def move_aside(out_dir, paths):
+    """Move those of paths that exist to out_dir/previous-<date-time>-<random>/, never overwrite them (bench.py
+    too, for its results). Returns that folder, or None where none of them existed."""
+    found = [p for p in paths if os.path.exists(p)]
     if not found:
-        return
+        return None
     keep = None
     try:
-        keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=r.cfg.out_dir)
+        keep = tempfile.mkdtemp(prefix=time.strftime('previous-%Y%m%d-%H%M%S-'), dir=out_dir)
         for p in found:
             shutil.move(p, keep)
     except OSError as e:
@@ -1589,10 +1590,17 @@ def move_earlier_run(r):
             with suppress(OSError):
                 os.rmdir(keep)
         moved = f"; those moved so far are in {keep}" if keep and os.path.isdir(keep) else ''
-        raise TrainError(f"could not move the earlier run's files in {r.cfg.out_dir} aside ({os_reason(e)}); "
+        raise TrainError(f"could not move the earlier run's files in {out_dir} aside ({os_reason(e)}); "
                          f"nothing was overwritten{moved}") from None
-    resumable = f" (to continue it: --out_dir={shlex.quote(keep)} --init_from=resume)" if r.ckpt_path in found else ''
-    r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep}{resumable}")
+    return keep
+
+
+def move_earlier_run(r):
+    """Move an earlier run's files in out_dir aside (move_aside)."""
+    had_checkpoint = os.path.exists(r.ckpt_path)
+    if keep := move_aside(r.cfg.out_dir, (r.ckpt_path, r.best_path, r.metrics_path, r.plot_path)):
+        resumable = f" (to continue it: --out_dir={shlex.quote(keep)} --init_from=resume)" if had_checkpoint else ''
+        r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep}{resumable}")
 
 
 def truncate_metrics(path, iter_num, say):
