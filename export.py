@@ -15,8 +15,10 @@ converted here) and for a Hugging Face tokenizer the data was prepared with (cop
 meta, with its chat_template.jinja where it had one). A character-level vocabulary has no transformers
 tokenizer: the export says so and writes char_vocab.json (the characters, in id order) instead. A directory
 that holds files transformers would read beside these (another export's tokenizer, sharded weights: FOREIGN)
-is refused, never mixed with this export. So is a model that Llama and Qwen3 cannot compute (hf_config): one
-trained with logit_softcap, x0_mix or an MLP other than SwiGLU.
+is refused, never mixed with this export (files of this export's own names there, an earlier export of this model
+or another, are replaced, and named). Refused too: a model that Llama and Qwen3 cannot compute (hf_config), one
+trained with logit_softcap, x0_mix or an MLP other than SwiGLU; a checkpoint whose weights do not fit its
+model_args (as sample.py refuses it).
 An export that fails (a full disk, a tokenizer that cannot be had) leaves the directory as it was: the files are
 written apart, then moved in.
 
@@ -84,14 +86,22 @@ def name_map(c):
 
 
 def to_hf(state, c):
-    """Our state dict -> the Hugging Face tensors (fused matrices split by rows); a missing tensor is an error
-    naming it."""
+    """Our state dict -> the Hugging Face tensors (fused matrices split by rows); a missing, misshapen or unknown
+    tensor is an error naming it (sample.py refuses the same checkpoint)."""
+    with torch.device('meta'):  # the shapes of config c, nothing allocated
+        shapes = {k: tuple(v.shape) for k, v in GPT(c).state_dict().items()}
+    if bad := [f"{k} has shape {tuple(v.shape)}, where its model_args make {shapes[k]}" for k, v in state.items()
+               if k in shapes and tuple(v.shape) != shapes[k]]:
+        raise ValueError(f"the checkpoint's weights do not fit its model_args: {'; '.join(bad[:5])}")
     out = {}
     for ours, theirs, rows in name_map(c):
         if ours not in state:
             from train import compiled_note  # (here: train.py imports this file)
             raise ValueError(f"the checkpoint's weights lack {ours}{compiled_note(state)}")
         out.update(zip(theirs, state[ours].split(rows) if rows else [state[ours]]))
+    if unknown := sorted(set(state) - set(shapes)):
+        raise ValueError(f"the checkpoint's weights hold tensors its model_args have no place for: "
+                         f"{', '.join(unknown[:5])}" + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ''))
     return out
 
 
@@ -371,7 +381,10 @@ def write_export(hf_dir, ckpt_path, ckpt, c, meta, config, tensors, dtype):
         lines = [f"wrote {hf_dir}: {config['architectures'][0]}, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M "
                  f"parameters in {dtype} (from {ckpt_path}, iteration {ckpt.get('iter_num', '?')})",
                  write_tokenizer(meta, stage, c.block_size)]
-        for name in sorted(os.listdir(stage)):
+        names = sorted(os.listdir(stage))
+        if replaced := [n for n in names if os.path.exists(os.path.join(hf_dir, n))]:  # an earlier export's, or not
+            lines[0] += f"; replaced the {', '.join(replaced)} it held"
+        for name in names:
             os.replace(os.path.join(stage, name), os.path.join(hf_dir, name))
     except OSError as e:  # named by hf_dir, not by the staging directory's paths
         reason = e.strerror or str(e) or type(e).__name__

@@ -917,9 +917,10 @@ def test_sample_raises_an_error_other_than_out_of_memory_as_it_is(tmp_path, monk
     assert not isinstance(e.value, train.TrainError)
 
 
-def test_export_bfloat16_and_refusals(tmp_path):
+def test_export_bfloat16_and_refusals(tmp_path, capsys):
     ours = our_checkpoint(tmp_path / 'ckpt.pt', seed=0, n_kv_head=2)
     export.main([f'--out_dir={tmp_path}', '--dtype=bfloat16'])  # to out_dir/hf
+    assert 'replaced' not in capsys.readouterr().out
     tensors = load_file(tmp_path / 'hf' / 'model.safetensors')
     q = ours.blocks[1].attn.qkv.weight[:64].detach()
     assert tensors['model.layers.1.self_attn.q_proj.weight'].dtype == torch.bfloat16
@@ -928,11 +929,18 @@ def test_export_bfloat16_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=re.escape("dtype='float64': expected 'float32', 'bfloat16' or 'float16'")):
         export.main([f'--out_dir={tmp_path}', '--dtype=float64', f'--hf_dir={tmp_path / "hf64"}'])
     assert not os.path.exists(tmp_path / 'hf64')
-    # checkpoints that are not what train.py saves: a tensor missing (named), a compiled model's names, a
-    # model_args key GPTConfig lacks
+    # checkpoints that are not what train.py saves: a tensor missing (named), a tensor of another shape or one the
+    # model has no place for (sample.py refuses both; the export wrote a model transformers cannot load, or
+    # dropped the tensor unsaid), a compiled model's names, a model_args key GPTConfig lacks
     ckpt = train.load_checkpoint(str(tmp_path / 'ckpt.pt'))
+    width = ckpt['model_args']['n_embd']
     for name, change, message in (
             ('lacking.pt', lambda c: c['model'].pop('norm.weight'), "the checkpoint's weights lack norm.weight"),
+            ('misshapen.pt', lambda c: c['model'].update({'blocks.0.mlp_norm.weight': torch.ones(5)}),
+             "the checkpoint's weights do not fit its model_args: blocks.0.mlp_norm.weight has shape (5,), where its "
+             f"model_args make ({width},)"),
+            ('extra.pt', lambda c: c['model'].update({'extra.weight': torch.ones(1)}),
+             "the checkpoint's weights hold tensors its model_args have no place for: extra.weight"),
             ('compiled.pt', lambda c: c.update(model={f'_orig_mod.{k}': v for k, v in c['model'].items()}),
              "lack wte.weight (its names start with _orig_mod.: saved from a compiled model)"),
             ('unknown.pt', lambda c: c['model_args'].update(bias=True),
@@ -959,6 +967,9 @@ def test_export_bfloat16_and_refusals(tmp_path):
             export.main([f'--out_dir={tmp_path}', f'--hf_dir={tmp_path / stale / "hf"}'])
         assert os.listdir(tmp_path / stale / 'hf') == [stale]
     export.main([f'--out_dir={tmp_path}', '--dtype=bfloat16'])  # into out_dir/hf again: its char_vocab.json too
+    # the files it replaced named (they may be another model's, in a directory given as hf_dir)
+    assert (f"iteration 7); replaced the char_vocab.json, config.json, generation_config.json, model.safetensors "
+            f"it held\n") in capsys.readouterr().out
     # the weights as readable as the other files written (safetensors writes them for their owner alone)
     modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}
     assert modes['model.safetensors'] == modes['config.json'], modes
