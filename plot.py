@@ -28,10 +28,16 @@ BY_ITERATION = {'grad_norm': 'gradient norm', 'lr': 'learning rate', 'tokens_per
                 'peak_mem_mb': 'peak memory (MB)'}
 
 
+def metrics_path(run):
+    """A run's metrics.jsonl: run is its out_dir, or the file itself."""
+    return run if os.path.isfile(run) else os.path.join(run, 'metrics.jsonl')
+
+
 def read_metrics(out_dir):
-    """The records of out_dir/metrics.jsonl, in order. A missing or empty file, or a line that is not a JSON
-    object, is an error naming it; a last line without its newline (being written right now) is left out."""
-    path = os.path.join(out_dir, 'metrics.jsonl')
+    """The records of out_dir/metrics.jsonl (or of out_dir, the file itself), in order. A missing or empty file,
+    or a line that is not a JSON object, is an error naming it; blank lines are skipped; a last line without its
+    newline (being written right now) is left out."""
+    path = metrics_path(out_dir)
     if not os.path.isfile(path):
         raise ValueError(f"{path} not found: {out_dir} is not the out_dir of a training run (yet)")
     records = []
@@ -41,6 +47,8 @@ def read_metrics(out_dir):
     except OSError as e:
         raise ValueError(f"{path} cannot be read: {e.strerror or e}") from None
     for n, raw in enumerate(lines, start=1):
+        if not raw.strip():  # (an editor's or a concatenation's)
+            continue
         line = raw.decode('utf-8', errors='replace')
         try:
             record = json.loads(raw)  # (bytes that are not UTF-8: a ValueError too)
@@ -70,6 +78,11 @@ def series(records):
     return curves
 
 
+def visible(xs, style):
+    """style, with a marker where the curve is one point: matplotlib draws a line through one point as nothing."""
+    return {**style, 'marker': style.get('marker') or 'o', 'ms': style.get('ms', 3.5)} if len(xs) == 1 else style
+
+
 def draw(runs, path, bpb=False):
     """Draw runs ({label: records}) into an image at path, in the format of its extension (PNG without one):
     written to path.tmp, then renamed over path, so a reader never sees half a file. bpb: bits per byte in the
@@ -87,12 +100,13 @@ def draw(runs, path, bpb=False):
         for field, style in shown.items():
             if field in curves:
                 iters, tokens, values = curves[field]
-                by_iter.plot(iters, values, color=color, label=f'{label}: {field}', **style)
+                by_iter.plot(iters, values, color=color, label=f'{label}: {field}', **visible(iters, style))
                 known = [(t, v) for t, v in zip(tokens, values) if t is not None]
-                by_tokens.plot([t for t, _ in known], [v for _, v in known], color=color, **style)
+                by_tokens.plot([t for t, _ in known], [v for _, v in known], color=color, **visible(known, style))
         for field, ax in panels.items():
             if field in curves:
-                ax.plot(curves[field][0], curves[field][2], color=color, label=label, lw=1)
+                ax.plot(curves[field][0], curves[field][2], color=color, label=label, **visible(curves[field][0],
+                                                                                                 dict(lw=1)))
     titles = [(measure, 'iteration'), (measure, 'tokens'), *((title, 'iteration') for title in BY_ITERATION.values())]
     for ax, (title, x) in zip(axes.flat, titles):
         ax.set_title(f'{title} vs {x}', fontsize=10)
@@ -117,7 +131,8 @@ def image_format(path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog='plot.py', description='Overlay the metrics.jsonl of training runs.')
-    parser.add_argument('out_dirs', nargs='+', help="runs' out_dir folders (each holds metrics.jsonl)")
+    parser.add_argument('out_dirs', nargs='+', help="runs' out_dir folders (each holds metrics.jsonl), or the "
+                                                    "metrics.jsonl files")
     parser.add_argument('--out', default='compare.png',
                         help='the image to write, in the format of its extension (default: compare.png)')
     parser.add_argument('--bpb', action='store_true',
@@ -137,7 +152,7 @@ def main(argv=None):
                 raise ValueError(f"{out_dir} is given twice")
             runs[label] = read_metrics(out_dir)
             if args.bpb and not any('val_bpb' in r for r in runs[label]):
-                path = os.path.join(out_dir, 'metrics.jsonl')
+                path = metrics_path(out_dir)
                 raise ValueError(f"--bpb: {path} holds no bits per byte: " + (
                     "the run has not evaluated yet" if not any('val_loss' in r for r in runs[label]) else
                     "the run's report says why ('bits per byte: not reported'), or it predates them"))

@@ -161,11 +161,38 @@ def test_bpb_draws_the_bits_per_byte_in_place_of_the_losses(tmp_path, monkeypatc
 
 def test_a_single_evaluation_is_drawn_as_visible_points(tmp_path):
     # Reference: matplotlib draws a line through one point as nothing unless it has a marker: each evaluation
-    # curve of a run with one evaluation has one, of a size above 0, by iteration and by tokens
+    # curve of a run with one evaluation has one, of a size above 0, by iteration and by tokens; so does every
+    # curve of a run with one training line (its loss, gradient norm, learning rate, tokens/s, peak memory: their
+    # panels looked empty), and a curve of several points keeps its plain line
+    def markers(lines):
+        return [ln.get_marker() not in ('None', 'none', '', ' ', None) and ln.get_markersize() > 0 for ln in lines]
     fig = plot.draw({'run': RECORDS[:1]}, str(tmp_path / 'one.png'))
     lines = fig.axes[0].lines + fig.axes[1].lines
     assert sorted(list(ln.get_ydata()) for ln in lines) == [[3.7], [3.7], [3.71], [3.71]]
-    assert all(ln.get_marker() not in ('None', 'none', '', ' ', None) and ln.get_markersize() > 0 for ln in lines)
+    assert all(markers(lines))
+    fig = plot.draw({'run': RECORDS[:2]}, str(tmp_path / 'one.png'))
+    lines = [ln for ax in fig.axes for ln in ax.lines]
+    assert sorted(list(ln.get_ydata()) for ln in lines) == sorted(
+        [[3.7], [3.7], [3.71], [3.71], [3.69], [3.69], [2.5], [1e-3], [900.0], [1.0]])
+    assert all(markers(lines))
+    fig = plot.draw({'run': RECORDS}, str(tmp_path / 'all.png'))
+    assert not any(markers(fig.axes[0].lines[:1] + [ln for ax in fig.axes[2:] for ln in ax.lines]))  # (loss first)
+
+
+def test_a_metrics_file_given_itself_and_blank_lines_are_read(tmp_path, capsys):
+    # Reference: the records as written. A run named by its metrics.jsonl, not its out_dir (it read
+    # out/metrics.jsonl/metrics.jsonl), plots as its out_dir does; a blank line (an editor's, a concatenation's)
+    # is no record and no error
+    run = write_metrics(tmp_path / 'run', [])
+    with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+        f.write(json.dumps(RECORDS[0]) + '\n\n' + ''.join(json.dumps(r) + '\n' for r in RECORDS[1:]) + '\n')
+    path = os.path.join(run, 'metrics.jsonl')
+    assert plot.read_metrics(run) == plot.read_metrics(path) == RECORDS
+    plot.main([path, f'--out={tmp_path / "x.png"}'])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'x.png'}: {path}\n"
+    with pytest.raises(SystemExit):
+        plot.main([path, '--bpb', f'--out={tmp_path / "y.png"}'])
+    assert f"--bpb: {path} holds no bits per byte" in capsys.readouterr().err
 
 
 def test_missing_or_empty_metrics_are_errors_naming_them(tmp_path, capsys):
