@@ -966,6 +966,7 @@ def test_the_settings_a_mode_reads_are_not_refused(argv):
     (['--seed=-1'], 'seed=-1: must be between 0 and 2**63 - 1'),  # (it was numpy's traceback, where data is missing)
     (['--seed=9223372036854775808'], 'seed=9223372036854775808: must be between 0 and 2**63 - 1'),
     (['--device=foo'], "device='foo': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    (['--device=cpu:3'], "device='cpu:3': expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),  # (it ran as cpu)
     (['--device=cuda:7'], "device='cuda:7', but this machine has"),
     # the other counts' message: without it every rung failed in train.Batches, after the whole setup
     (['--gradient_accumulation_steps=-1'], 'gradient_accumulation_steps=-1 must be at least 1'),

@@ -9,8 +9,10 @@ step, scripted evaluation losses, and so on. Tiny models and datasets; CPU, floa
     python -m pytest -q test_failures.py
 """
 import copy
+import dataclasses
 import errno
 import glob
+import io
 import json
 import math
 import os
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,7 +34,7 @@ import torch
 import model as model_module
 import prepare_data
 import train
-from configurator import ConfigError
+from configurator import ConfigError, configure
 from conftest import assert_same, deterministic, load, read_metrics, write_dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -790,22 +793,39 @@ def test_malicious_checkpoint_is_refused(data, tmp_path, how):
     assert re.search(rf'asks to import \w+\.{name}, which could run code', msg), msg
 
 
-@pytest.mark.parametrize('how', ['truncated', 'garbage', 'empty'])
+def flipped_in_a_tensor(data):
+    """A checkpoint's bytes with one byte flipped in the middle of its largest tensor's data, where torch.load reads
+    no structure (the archive's records, found by zipfile)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        record = max(archive.infolist(), key=lambda r: r.file_size)
+    start = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra)  # the local header's size
+    assert data[start - len(record.extra) - len(record.filename.encode()):start - len(record.extra)] == \
+        record.filename.encode()
+    broken = bytearray(data)
+    broken[start + record.file_size // 2] ^= 0x7f
+    return bytes(broken)
+
+
+@pytest.mark.parametrize('how', ['truncated', 'garbage', 'empty', 'flipped'])
 def test_broken_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, how):
-    # Reference: metrics.jsonl and ckpt.pt as they were before the resume attempt.
+    # Reference: metrics.jsonl and ckpt.pt as they were before the resume attempt. A byte flipped inside a tensor's
+    # data loaded without a word (torch.load reads no CRC): it fails the record's CRC-32, which torch.save wrote
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     path = out / 'ckpt.pt'
     real = read_bytes(path)
     broken = {'truncated': real[:len(real) // 2], 'garbage': np.random.default_rng(0).bytes(5000),
-              'empty': b''}[how]
+              'empty': b'', 'flipped': flipped_in_a_tensor(real)}[how]
+    if how == 'flipped':
+        assert isinstance(torch.load(io.BytesIO(broken), weights_only=True), dict)  # torch's own load takes it
     path.write_bytes(broken)
     assert_resume_refused(data, out, path)
     assert read_bytes(path) == broken
     # a zip archive cut short is a corrupt checkpoint; bytes that are no zip archive at all, not a checkpoint
     # (torch's own message there is about weights_only's allowed types, which misleads)
-    with pytest.raises(train.TrainError, match='corrupt or truncated' if how == 'truncated' else
-                       'is not a checkpoint: not the zip archive torch.save writes'):
+    with pytest.raises(train.TrainError, match={'truncated': 'corrupt or truncated', 'flipped': re.escape(
+            f"checkpoint {path} is corrupt: Bad CRC-32 for file '")}.get(
+            how, 'is not a checkpoint: not the zip archive torch.save writes')):
         train.load_checkpoint(str(path))
     assert not glob.glob(str(out / 'previous-*'))
 
@@ -1015,25 +1035,38 @@ def test_resume_of_a_checkpoint_from_before_the_token_count_counts_its_own_batch
     assert tokens == {0: 0, 1: 32, 2: 64, 3: 64 + 64, 4: 64 + 128}
 
 
-@pytest.mark.parametrize('change', ['data_dir', '--seed=2', '--eval_iters=3', '--batch_size=2'])
+@pytest.mark.parametrize('change', ['data_dir', '--seed=2', '--eval_iters=3', '--batch_size=2', 'prepared again'])
 def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_path, monkeypatch, capsys, save_log,
                                                                      change):
-    # Reference: best.pt's saves. Evaluated on other val data (data_dir changed), or on other val batches (the
-    # seed, the number or the size of the eval batches changed), a loss above the old best (4.5 > 4.0) is the
-    # best so far on what is measured now: best.pt is written, and the reset said; resumed on the same data and
-    # batches, it is not (test_best_keeps_the_best_weights_and_ckpt_the_latest). The checkpoint's own iteration
-    # (2) is evaluated again, on what is measured now; so is a finished run's (4), which has no evaluation to come.
+    # Reference: best.pt's saves. Evaluated on other val data (data_dir changed, or prepared again in its place:
+    # meta.json's token counts), or on other val batches (the seed, the number or the size of the eval batches
+    # changed), a loss above the old best (4.5 > 4.0) is the best so far on what is measured now: best.pt is
+    # written, and the reset said; resumed on the same data and batches, it is not
+    # (test_best_keeps_the_best_weights_and_ckpt_the_latest). The earlier best.pt is moved aside, byte for byte (a
+    # worse model replaced it). The checkpoint's own iteration (2) is evaluated again, on what is measured now; so
+    # is a finished run's (4), which has no evaluation to come.
     out = tmp_path / 'out'
     other, extra = (write_data(tmp_path / 'other', seed=1), []) if change == 'data_dir' else (data, [change])
     scripted_eval(monkeypatch, [5.0, 4.0])
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    best = read_bytes(out / 'best.pt')
+    if change == 'prepared again':
+        extra = []
+        write_data(data, n_val=500, seed=1)  # the same vocabulary; 500 val tokens, not 400
     save_log.clear()
     scripted_eval(monkeypatch, [4.5, 4.7])
     capsys.readouterr()
     assert train.main(args(other, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', *extra)) == 0
-    key = change.removeprefix('--').split('=')[0]
+    key = 'the data (meta.json)' if change == 'prepared again' else change.removeprefix('--').split('=')[0]
+    printed = capsys.readouterr().out
     assert (f"best val loss reset: {key} changed, which decides what the val loss measures; the next evaluation's "
-            f"model is written to {out / 'best.pt'}") in capsys.readouterr().out
+            f"model is written to {out / 'best.pt'}") in printed
+    assert (f"warning: {data} holds other data than the checkpoint's run trained on (meta.json: val_tokens 400 -> "
+            f"500): the training batches go on at the checkpoint's place in it" in printed) == (change ==
+                                                                                                 'prepared again')
+    [keep] = glob.glob(str(out / 'previous-*'))
+    assert os.listdir(keep) == ['best.pt'] and read_bytes(os.path.join(keep, 'best.pt')) == best
+    assert f"{out / 'best.pt'}, the best under the checkpoint's settings, moved to {keep}" in printed
     assert [(name, it) for name, it, _ in save_log] == [('best.pt', 2), ('ckpt.pt', 2), ('ckpt.pt', 4)]
     assert load(out / 'best.pt')['best_val_loss'] == 4.5
     save_log.clear()
@@ -2263,3 +2296,157 @@ def test_a_signal_during_an_evaluation_saves_its_checkpoint_once(data, tmp_path,
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=8')) == 128 + signal.SIGTERM
     assert 'SIGTERM: saved' in capsys.readouterr().out
     assert [(name, it) for name, it, _ in save_log if name == 'ckpt.pt'] == [('ckpt.pt', 0), ('ckpt.pt', 2)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 14. what a new user's pass over train.py found: two runs in one out_dir, a resume's schedule and data changed
+# under it, a reader of the output gone, a checkpoint save with no cause named
+
+def test_a_second_run_in_an_out_dir_in_use_is_refused_before_it_touches_it(data, tmp_path):
+    # Reference: flock's semantics (a lock per open file description: the descriptor opened here stands for another
+    # run's) and the earlier run's files byte for byte. Both a scratch run (it moved the running run's files aside)
+    # and a resume (it cut metrics.jsonl back) are refused while another holds out_dir; a run that ends, or fails
+    # after taking the lock, releases it.
+    import fcntl
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    with open(out / 'metrics.jsonl', 'a') as f:
+        f.write(json.dumps({'iter': 3, 'loss': 1.0}) + '\n')  # a line past the checkpoint, which a resume cuts
+    before = run_files(out)
+    other = os.open(out, os.O_RDONLY)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        for extra in ([], ['--init_from=resume']):
+            with pytest.raises(train.TrainError, match=re.escape(
+                    f"out_dir {out} is in use by another train.py run (it holds the directory's lock): two runs there "
+                    f"would write over each other's checkpoints and metrics")):
+                train.main(args(data, out, '--eval_interval=2', '--max_iters=4', *extra))
+            assert run_files(out) == before and not glob.glob(str(out / 'previous-*'))
+    finally:
+        os.close(other)
+    with pytest.raises(train.TrainError, match='another shape'):  # fails in setup, after taking the lock
+        train.main(args(data, out, '--max_iters=4', '--init_from=resume', '--n_layer=2'))
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume')) == 0
+    probe = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: no BlockingIOError
+    finally:
+        os.close(probe)
+
+
+def test_a_resume_whose_best_val_loss_reset_fails_later_leaves_best_pt(data, tmp_path, monkeypatch):
+    # Reference: best.pt's bytes. A resume that would reset the best val loss (batch_size) but stops on a later
+    # check (compile's, after the checkpoint has loaded) moves nothing aside: best.pt is moved at the end of setup,
+    # as a scratch run's files
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    best = read_bytes(out / 'best.pt')
+
+    def compile_model(r):
+        raise train.TrainError('compile: a failure of setup after the checkpoint has loaded')
+    monkeypatch.setattr(train, 'compile_model', compile_model)
+    with pytest.raises(train.TrainError, match='after the checkpoint has loaded'):
+        train.main(args(data, out, '--max_iters=4', '--init_from=resume', '--batch_size=2'))
+    assert read_bytes(out / 'best.pt') == best and not glob.glob(str(out / 'previous-*'))
+
+
+@pytest.mark.parametrize('flags, jumps', [(['--max_iters=8'], True),
+                                          (['--max_iters=8', '--lr_decay_iters=4', '--min_lr=2e-3'], True),
+                                          (['--max_iters=8', '--lr_decay_iters=4'], False), ([], False),
+                                          (['--min_lr=2e-3'], False)])
+def test_a_resume_whose_schedule_moves_the_learning_rate_warns_with_both(data, tmp_path, capsys, flags, jumps):
+    # Reference: train.get_lr under each run's settings. With lr_decay_iters=0 the decay follows max_iters, so a
+    # resume that raises max_iters took the rate from its floor back up at once, without a word; so does another
+    # floor; a decay that ends where it did (lr_decay_iters set) or no change keeps the rate, and says nothing; so
+    # does a resume with nothing to train (max_iters as it was), whatever its rate would be
+    out = tmp_path / 'out'
+    first = args(data, out, '--eval_interval=2', '--max_iters=4', '--lr_decay_iters=0', '--warmup_iters=1')
+    assert train.main(first) == 0
+    capsys.readouterr()
+    assert train.main([*first, '--init_from=resume', *flags]) == 0
+    saved = SimpleNamespace(**configure_dict(first))
+    now = SimpleNamespace(**configure_dict([*first, *flags]))
+    line = (f"warning: the learning rate of iteration 4 is {train.get_lr(4, now):.3e} under this run's schedule, "
+            f"{train.get_lr(4, saved):.3e} under the checkpoint's: it changes at once, by the settings above")
+    assert (line in capsys.readouterr().out) == jumps
+    assert (abs(train.get_lr(4, now) / train.get_lr(4, saved) - 1) > 0.01) == (jumps or '--min_lr=2e-3' in flags)
+
+
+def configure_dict(argv):
+    return configure(train.DEFAULTS, argv, train.__file__)
+
+
+def test_a_changed_seed_on_resume_changes_the_evaluation_batches_only(data, tmp_path, capsys):
+    # Reference: the losses of a resume without the change, from a copy of the same checkpoint. The data sampler
+    # and RNG streams go on from the checkpoint's (it said the seed "takes effect" as other settings do): the
+    # training losses after it are the same; the line says so
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    assert train.main(args(data, a, '--eval_interval=2', '--max_iters=2', '--dropout=0.1')) == 0
+    shutil.copytree(a, b)
+    capsys.readouterr()
+    assert train.main(args(data, a, '--eval_interval=10', '--max_iters=4', '--dropout=0.1', '--init_from=resume')) == 0
+    assert train.main(args(data, b, '--eval_interval=10', '--max_iters=4', '--dropout=0.1', '--init_from=resume',
+                           '--seed=9')) == 0
+    printed = capsys.readouterr().out
+    assert ("\n  seed: 1337 -> 9  (the training batches and RNG streams go on from the checkpoint's; the evaluation "
+            "batches take it)\n") in printed and printed.count('seed: 1337 -> 9') == 1
+    losses = [{r['iter']: r['loss'] for r in read_metrics(out) if 'loss' in r} for out in (a, b)]
+    assert losses[0] == losses[1] and set(losses[0]) == {1, 2, 3, 4}
+
+
+def test_a_reader_of_the_output_that_goes_away_does_not_stop_the_run(data, tmp_path):
+    # Reference: the checkpoint at max_iters and every training line in metrics.jsonl. With stdout a pipe whose
+    # reader closed it (`| head`), the next line printed raised BrokenPipeError: a traceback, nothing saved after
+    # the last evaluation
+    out = tmp_path / 'out'
+    proc = subprocess.Popen([sys.executable, 'train.py', *args(data, out, '--eval_interval=100', '--max_iters=60')],
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and 'Traceback' not in err and 'BrokenPipe' not in err, err
+    assert load(out / 'ckpt.pt')['iter_num'] == 60
+    assert [r['iter'] for r in read_metrics(out) if 'loss' in r] == list(range(1, 61))
+
+
+def test_a_save_that_torch_cannot_finish_names_the_free_space(tmp_path, monkeypatch):
+    # Reference: the free space the file system reports (faked: 3 MiB). torch's writer on a full disk says
+    # '[enforce fail at inline_container.cc:672] . unexpected pos ...', no cause; an OSError names its own
+    # (No space left on device), and gets no figure
+    def full(state, f):
+        f.write(b'PK\x03\x04 part of it')
+        raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 146368 vs 146256')
+    monkeypatch.setattr(torch, 'save', full)
+    monkeypatch.setattr(shutil, 'disk_usage', lambda path: SimpleNamespace(total=1 << 30, used=0, free=3 << 20))
+    path = tmp_path / 'ckpt.pt'
+    with pytest.raises(train.TrainError, match=re.escape(
+            f"could not save checkpoint {path}: [enforce fail at inline_container.cc:672] . unexpected pos 146368 vs "
+            f"146256; 3.0 MiB free on its disk, the part written included (the previous {path}, if any, is intact)")):
+        train.save_checkpoint(str(path), {})
+    assert os.listdir(tmp_path) == []
+
+    def no_space(state, f):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', no_space)
+    with pytest.raises(train.TrainError) as e:
+        train.save_checkpoint(str(path), {})
+    assert 'No space left on device' in str(e.value) and 'MiB free' not in str(e.value)
+
+
+def test_the_config_printed_at_start_holds_the_config_keys_and_apart_the_models_other_fields(data, tmp_path,
+                                                                                              capsys):
+    # Reference: train.DEFAULTS (the keys a flag can set) and GPTConfig's fields. norm_eps and Llama 3's RoPE
+    # scaling were printed among the config keys, where a flag setting them is an unknown key; a key resolved from
+    # 0 shows its value as built (n_kv_head, vocab_size)
+    assert train.main(args(data, tmp_path / 'out', '--max_iters=0')) == 0
+    out = capsys.readouterr().out
+    block = out.split('config:\n')[1].split('\nmodel fields')[0].splitlines()
+    shown = dict(line.split(' = ') for line in (ln.strip() for ln in block))
+    shown = {k.strip(): v for k, v in shown.items()}
+    assert list(shown) == list(train.DEFAULTS)
+    assert shown['n_kv_head'] == '2' and shown['vocab_size'] == '64'  # (TINY: 2 heads; 40 characters, in 64s)
+    fields = {f.name: f.default for f in dataclasses.fields(model_module.GPTConfig) if f.name not in train.DEFAULTS}
+    assert set(fields) == {'norm_eps', 'rope_scaling_factor', 'rope_low_freq_factor', 'rope_high_freq_factor',
+                           'rope_original_max_len'}
+    assert ("model fields that are not config keys (init_from=hf:PATH reads them from config.json): "
+            + ", ".join(f"{k}={v!r}" for k, v in fields.items())) in out

@@ -40,14 +40,18 @@ that has no effect in this run, or a learning-rate schedule cut short, is named)
 - init_from=hf:PATH (model_shape, start_from_hf; the mapping is export.py's): start from the weights of a
   Hugging Face Llama or Qwen3 directory, its shape taken from its config.json.
 - checkpoints (save_checkpoint, load_checkpoint): atomic writes, latest (ckpt.pt) and best (best.pt),
-  loaded with weights_only=True; exact resume including data and RNG state (on the CPU bit for bit, eager, and
-  compiled on one thread or with deterministic=True: deterministic_algorithms, README), with the changed
+  loaded with weights_only=True and their CRC-32s checked (check_crc); exact resume including data and RNG
+  state (on the CPU bit for bit, eager, and compiled on one thread or with deterministic=True:
+  deterministic_algorithms, README), with the changed
   settings printed (config_diff); refused on data with another vocabulary (vocabulary_mismatch), on another
   shape (SHAPE_KEYS) or optimizer (OPTIMIZER_KEYS), or on a model setting this model.py lacks; the best val loss
-  starts over when what it depends on changes (EVAL_KEYS, eval_changes); a resume cuts metrics.jsonl back to its
-  checkpoint (truncate_metrics); a scratch run moves an earlier run's files aside instead of overwriting them.
+  starts over when what it depends on changes (EVAL_KEYS, eval_changes, the data's token counts), the earlier
+  best.pt moved aside (move_best_aside); a learning rate the changes make jump is a warning; a resume cuts
+  metrics.jsonl back to its checkpoint (truncate_metrics); a scratch run moves an earlier run's files aside
+  instead of overwriting them (move_aside); one run at a time in an out_dir (lock_out_dir).
 - file-system failures: data files read and out_dir written once at start (check_readable, probe_out_dir);
-  every later OSError is a one-line error naming the file, except a metrics line, which is only a warning.
+  every later OSError is a one-line error naming the file, except a metrics line, which is only a warning; a
+  reader of stdout that goes away (| head) does not stop the run (say).
 - SIGTERM/SIGINT: finish the step, save, exit with the command that resumes (a second one: exit at once).
   Out of memory in a step or an evaluation: a one-line error with what to change (memory_advice) and the last
   checkpoint (last_checkpoint).
@@ -88,6 +92,7 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import zipfile  # noqa: E402
 from contextlib import contextmanager, nullcontext, suppress  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -948,10 +953,15 @@ def save_checkpoint(path, state):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
+        space = ''
+        if isinstance(e, Exception) and not isinstance(e, OSError):  # torch's writer's words name no cause ('[enforce
+            with suppress(OSError):  # fail at inline_container.cc:672] . unexpected pos'): a full disk shows here
+                free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+                space = f"; {free / 2**20:,.1f} MiB free on its disk, the part written included"
         if os.path.exists(tmp):
             os.remove(tmp)
         if isinstance(e, Exception):
-            raise TrainError(f"could not save checkpoint {path}: {e} (the previous {path}, if any, "
+            raise TrainError(f"could not save checkpoint {path}: {e}{space} (the previous {path}, if any, "
                              f"is intact)") from e
         raise
     try:  # make the rename itself durable
@@ -985,7 +995,25 @@ def load_checkpoint(path):
         raise TrainError(f"checkpoint {path} is corrupt or truncated: {detail}") from None
     if not isinstance(ckpt, dict):  # torch.save of a tensor, say: its readers would test names against it
         raise TrainError(f"{path} is not a checkpoint: it holds a {type(ckpt).__name__}, not a dict of named entries")
+    check_crc(path)
     return ckpt
+
+
+def check_crc(path):
+    """torch.load reads a checkpoint's archive structure, not the CRC-32 that torch.save writes for each record:
+    bytes damaged inside the tensors' data (a bad copy, a bad disk) loaded without a word. zipfile checks them
+    (a record without one, CRC 0, is written so: torch.serialization.config.save.compute_crc32=False)."""
+    if not zipfile.is_zipfile(path):  # torch's legacy format, which torch.load has read
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for record in archive.infolist():
+                if record.CRC:
+                    with archive.open(record) as f:  # raises BadZipFile at the end of a record whose CRC differs
+                        while f.read(1 << 24):
+                            pass
+    except (zipfile.BadZipFile, OSError) as e:
+        raise TrainError(f"checkpoint {path} is corrupt: {e} (damaged in a copy or on disk)") from None
 
 
 def compiled_note(state):
@@ -1162,6 +1190,47 @@ def check_config(cfg):
     check_device(cfg.device)
 
 
+def say(*args, **kwargs):
+    """print, which a reader of stdout that has gone (`| head`) does not stop: the run goes on, its lines in
+    metrics.jsonl (a BrokenPipeError here ended it without saving)."""
+    try:
+        print(*args, **kwargs)
+        sys.stdout.flush()  # (where a pipe buffers the line, its error shows here)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe: the rest goes nowhere
+
+
+# out_dir's real path -> the descriptor that holds its lock in this process (lock_out_dir)
+OUT_DIR_LOCKS = {}
+
+
+def lock_out_dir(out_dir):
+    """Lock out_dir for this run (flock on the directory itself, which the system releases when the process ends,
+    however it ends): a second train.py into the same out_dir is an error, not two runs writing over each other's
+    checkpoints and metrics. On a file system that cannot lock, the run goes on without."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows)
+        return
+    unlock_out_dir(out_dir)  # this process's own, from a main() before (tests call it in-process)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            raise TrainError(f"out_dir {out_dir} is in use by another train.py run (it holds the directory's lock): "
+                             f"two runs there would write over each other's checkpoints and metrics. Let it finish, "
+                             f"stop it, or choose another out_dir") from None
+        return  # no locks on this file system (some network ones)
+    OUT_DIR_LOCKS[os.path.realpath(out_dir)] = fd
+
+
+def unlock_out_dir(out_dir):
+    if (fd := OUT_DIR_LOCKS.pop(os.path.realpath(out_dir), None)) is not None:
+        os.close(fd)
+
+
 def check_device(name):
     """Raise a ConfigError unless name is 'auto' or a device this machine has (bench.py and sample.py check
     theirs with it too)."""
@@ -1171,7 +1240,7 @@ def check_device(name):
         device = torch.device(name)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ('cpu', 'cuda', 'mps'):
+    if device is None or device.type not in ('cpu', 'cuda', 'mps') or (device.type != 'cuda' and device.index):
         raise ConfigError(f"device={name!r}: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
     if device.type == 'cuda' and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
         raise ConfigError(f"device={name!r}, but this machine has {torch.cuda.device_count()} CUDA devices "
@@ -1309,6 +1378,7 @@ def main(argv):
         raise
     finally:
         restore()  # as it was: tests call main in-process
+        unlock_out_dir(cfg.out_dir)
         if dist.is_initialized():
             # The model goes before the process group that DDP's reducer (or FSDP) holds. Freed after it, when
             # main returned, the group's last reference went from C++ with the GIL held, and its gloo threads
@@ -1335,7 +1405,7 @@ def setup(cfg, argv, device, rank, world):
     """The run's pieces, as a namespace: data, model, wrappers, optimizer, resumed state. Everything is
     checked here, before the first step."""
     r = SimpleNamespace(cfg=cfg, argv=argv, device=device, rank=rank, world=world, master=rank == 0)
-    r.say = print if r.master else (lambda *args, **kwargs: None)  # process 0 prints, logs and writes files
+    r.say = say if r.master else (lambda *args, **kwargs: None)  # process 0 prints, logs and writes files
     r.accum_steps = cfg.gradient_accumulation_steps // world  # this process's share of the micro-batches
 
     # ---- precision
@@ -1365,6 +1435,7 @@ def setup(cfg, argv, device, rank, world):
     r.eval_splits = eval_splits(cfg, train_tokens, val_tokens, device, rank, world)
     r.eval_tokens_per_byte, r.bpb_line = tokens_per_byte(meta, r.eval_splits, device)
     on_master(r, lambda: probe_out_dir(cfg.out_dir))  # now, not at the first checkpoint, after training
+    on_master(r, lambda: lock_out_dir(cfg.out_dir))  # (main unlocks it)
 
     # ---- model
     model_args['vocab_size'] = r.vocab
@@ -1438,9 +1509,11 @@ def setup(cfg, argv, device, rank, world):
         r.parallel_note = f'DDP, {world} processes'
     r.compiled, r.compile_note = compile_model(r)
     r.wandb = start_wandb(r)
-    if cfg.init_from != 'resume':  # last: a start that fails on any check above leaves the earlier run where it was
+    # last: a start that fails on any check above leaves the earlier run's files where they were
+    earlier = move_earlier_run if cfg.init_from != 'resume' else move_best_aside if r.best_reset else None
+    if earlier:
         try:
-            on_master(r, lambda: move_earlier_run(r))
+            on_master(r, lambda: earlier(r))
         except TrainError:
             if r.wandb:  # started above: main's finish comes after setup
                 r.wandb.finish(exit_code=1)
@@ -1457,6 +1530,7 @@ def start_or_resume(r):
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     r.plot_path, r.plotted_at = os.path.join(cfg.out_dir, 'metrics.png'), time.time()  # first drawn PLOT_EVERY_S in
     r.iter_num, r.tokens, r.best_val_loss, r.rng, r.metrics_lost = 0, 0, math.inf, None, 0
+    r.best_reset = False  # a resume that resets the best val loss: setup then moves best.pt aside
     r.saved_iter = None  # the iteration of the last checkpoint written (or resumed from)
     r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
     r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
@@ -1490,8 +1564,10 @@ def start_or_resume(r):
     before = torch_ns_dtype(r.device_type)
     if 'muon_dtype' not in ckpt['config'] and muon_ns_dtype(cfg.muon_dtype, r.device_type)[0] != before:
         saved['muon_dtype'] = before
-    changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k not in ('init_from', *START_KEYS)])
+    changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k not in ('init_from', 'seed', *START_KEYS)])
     changed += [f"{line}  (no effect on a resumed run)" for line in config_diff(saved, vars(cfg), START_KEYS)]
+    changed += [f"{line}  (the training batches and RNG streams go on from the checkpoint's; the evaluation "
+                f"batches take it)" for line in config_diff(saved, vars(cfg), ['seed'])]
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
     if optimizer_diff := config_diff(saved, vars(cfg), OPTIMIZER_KEYS):
@@ -1508,6 +1584,15 @@ def start_or_resume(r):
     r.init_from = ckpt.get('init_from', 'scratch')
     r.last_eval = r.iter_num if ckpt['evaluated'] else None
     say(f"resuming from {r.ckpt_path} at iteration {r.iter_num} ({best_val_text(r.best_val_loss)})")
+    was, now = get_lr(r.iter_num, SimpleNamespace(**saved)), get_lr(r.iter_num, cfg)
+    if r.iter_num < cfg.max_iters and not math.isclose(was, now, rel_tol=1e-6):  # (max_iters: lr_decay_iters=0's)
+        say(f"warning: the learning rate of iteration {r.iter_num} is {now:.3e} under this run's schedule, "
+            f"{was:.3e} under the checkpoint's: it changes at once, by the settings above")
+    data_changed = [f"{k} {ckpt['meta'][k]} -> {r.meta[k]}" for k in ('train_tokens', 'val_tokens')
+                    if k in ckpt['meta'] and k in r.meta and ckpt['meta'][k] != r.meta[k]]
+    if data_changed:  # prepared again (another input, another val_fraction): same vocabulary, other tokens
+        say(f"warning: {cfg.data_dir} holds other data than the checkpoint's run trained on (meta.json: "
+            f"{', '.join(data_changed)}): the training batches go on at the checkpoint's place in it")
     if len(r.rng) != r.world:  # the data does not depend on it (Batches); the RNG streams do (train_loop)
         kept = min(len(r.rng), r.world)
         say(f"resuming on {r.world} process{'es' * (r.world > 1)}, the checkpoint's run had {len(r.rng)}: the data "
@@ -1517,10 +1602,11 @@ def start_or_resume(r):
     if r.iter_num >= cfg.max_iters:  # the run's own config again, to go on: it ends where it started
         say(f"nothing to train: max_iters={cfg.max_iters}, and the checkpoint is at iteration {r.iter_num}; a "
             f"max_iters above {r.iter_num} trains on")
-    if (changed := eval_changes(saved, vars(cfg))) and r.best_val_loss < math.inf:
+    changed = eval_changes(saved, vars(cfg)) + (["the data (meta.json)"] if data_changed else [])
+    if changed and r.best_val_loss < math.inf:
         say(f"best val loss reset: {', '.join(changed)} changed, which decide{'s' * (len(changed) == 1)} what the "
             f"val loss measures; the next evaluation's model is written to {r.best_path}")
-        r.best_val_loss = math.inf
+        r.best_val_loss, r.best_reset = math.inf, True
         r.last_eval = None  # its evaluation measured something else: evaluate again if its iteration is one to evaluate
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
     return ckpt
@@ -1593,6 +1679,13 @@ def move_aside(out_dir, paths):
         raise TrainError(f"could not move the earlier run's files in {out_dir} aside ({os_reason(e)}); "
                          f"nothing was overwritten{moved}") from None
     return keep
+
+
+def move_best_aside(r):
+    """A resume that resets the best val loss keeps the best.pt of what it measured before: the next evaluation
+    writes its own (a resume at another batch_size wrote a worse model over it)."""
+    if keep := move_aside(r.cfg.out_dir, [r.best_path]):
+        r.say(f"{r.best_path}, the best under the checkpoint's settings, moved to {keep}")
 
 
 def move_earlier_run(r):
@@ -1861,10 +1954,14 @@ def start_wandb(r):
 def report(r):
     """Print the resolved config, the model and which optimizations are on (and why any is off)."""
     cfg, say, model = r.cfg, r.say, r.model
-    # the model's keys as built: resolved from 0 (n_kv_head, vocab_size, ...) or read from init_from=hf:PATH
-    shown = {**vars(cfg), **r.model_config.to_dict()}
+    # the model's keys as built: resolved from 0 (n_kv_head, vocab_size, ...) or read from init_from=hf:PATH; its
+    # fields that are no setting (norm_eps, Llama 3's RoPE scaling: only a config.json sets them) apart
+    built = r.model_config.to_dict()
+    shown = {**vars(cfg), **{k: v for k, v in built.items() if k in vars(cfg)}}
     width = max(map(len, shown))
     say("config:\n" + "\n".join(f"  {k:<{width}} = {v!r}" for k, v in shown.items()))
+    say("model fields that are not config keys (init_from=hf:PATH reads them from config.json): "
+        + ", ".join(f"{k}={v!r}" for k, v in built.items() if k not in vars(cfg)))
     say(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token() / 1e6:.1f} MFLOP per "
         f"token, vocab {r.vocab} ({r.meta['tokenizer']}, {r.meta['vocab_size']} used), "
         f"{tokens_per_iter(cfg):,} tokens per iteration")
