@@ -549,7 +549,8 @@ def loss_means(rows):
     means = [(r['rung'], sum(r['losses'][-n:]) / n) for r in ok]
     (first, ref), rest = means[0], means[1:]
     return (f"loss, mean of the last {n} of the {len(ok[0]['losses'])} timed steps: rung {first} {ref:.5f}"
-            + ''.join(f"; rung {rung} {m:.5f} ({(m / ref - 1) * 100:+.2f}% against rung {first})" for rung, m in rest))
+            + ''.join(f"; rung {rung} {m:.5f} ({round((m / ref - 1) * 100, 2) + 0.0:+.2f}% against rung {first})"
+                      for rung, m in rest))
 
 
 def plot(rows, meta, path):

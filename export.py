@@ -212,15 +212,15 @@ def load_hf_weights(path, c):
 
 def hf_config(c, eot, dtype):
     """config.json for a model of config c: Qwen3 with QK-norm, else Llama."""
-    if c.logit_softcap:
-        raise ValueError(f"logit_softcap={c.logit_softcap}: Llama and Qwen3 do not cap their logits, so the exported "
-                         f"model would compute other probabilities; train with logit_softcap=0 to export")
-    if c.x0_mix:
-        raise ValueError("x0_mix=True: Llama and Qwen3 have no path from the token embeddings into the later blocks, "
-                         "so the exported model would compute something else; train with x0_mix=False to export")
-    if c.mlp != 'swiglu':
-        raise ValueError(f"mlp={c.mlp!r}: Llama and Qwen3 use SwiGLU, so transformers has no architecture for "
-                         f"this model; train with mlp='swiglu' to export")
+    refused = [why for unmet, why in (
+        (c.logit_softcap, f"logit_softcap={c.logit_softcap}: Llama and Qwen3 do not cap their logits, so the exported "
+                          f"model would compute other probabilities; train with logit_softcap=0 to export"),
+        (c.x0_mix, "x0_mix=True: Llama and Qwen3 have no path from the token embeddings into the later blocks, so "
+                   "the exported model would compute something else; train with x0_mix=False to export"),
+        (c.mlp != 'swiglu', f"mlp={c.mlp!r}: Llama and Qwen3 use SwiGLU, so transformers has no architecture for "
+                            f"this model; train with mlp='swiglu' to export")) if unmet]
+    if refused:  # each of them: one at a time, a retrain for the first found the next
+        raise ValueError('. '.join(refused))
     arch = 'Qwen3ForCausalLM' if c.qk_norm else 'LlamaForCausalLM'
     config = dict(architectures=[arch], model_type='qwen3' if c.qk_norm else 'llama', vocab_size=c.vocab_size,
                   hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,

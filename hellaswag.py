@@ -229,7 +229,8 @@ def main(argv):
         raise TrainError(f"out of memory on {device} scoring batch_size={cfg['batch_size']} items at once: a "
                          f"lower batch_size") from None
     iteration = f", iteration {ckpt['iter_num']}" if 'iter_num' in ckpt else ''
-    print(f"hellaswag: acc {r['acc']:.4f} ± {r['acc_se']:.4f}, acc_norm {r['acc_norm']:.4f} ± {r['acc_norm_se']:.4f} "
+    se = {k: 'n/a (one item)' if math.isnan(r[k]) else f"{r[k]:.4f}" for k in ('acc_se', 'acc_norm_se')}
+    print(f"hellaswag: acc {r['acc']:.4f} ± {se['acc_se']}, acc_norm {r['acc_norm']:.4f} ± {se['acc_norm_se']} "
           f"over {r['items']:,} items of {path} ({ckpt_path}{iteration}, {dtype}; chance {r['chance']:.2f})")
     if r['left_out']:
         index, why = r['left_out'][0]

@@ -112,6 +112,9 @@ def test_loss_means_start_at_20_timed_steps():
             dict(rung=4, status='ok', losses=[2.0 * i for i in range(1, 21)])]
     assert bench.loss_means(rows) == ('loss, mean of the last 10 of the 20 timed steps: rung 1 15.50000; rung 4 '
                                       '31.00000 (+100.00% against rung 1)')
+    # a difference that rounds to 0 is +0.00%, not -0.00%
+    rows[3]['losses'] = [i - 1e-6 for i in rows[0]['losses']]
+    assert bench.loss_means(rows).endswith('rung 4 15.50000 (+0.00% against rung 1)')
     for r in rows[::3]:
         r['losses'] = r['losses'][:19]
     assert bench.loss_means(rows) == ''

@@ -1,7 +1,10 @@
 """hellaswag.py: lm-evaluation-harness's preprocessing and token split, each ending's log-likelihood against a forward
 per token, the accuracies against that reference, the left-out items, the file checks and the download."""
 import json
+import math
 import os
+import re
+import shutil
 from contextlib import nullcontext
 
 import pytest
@@ -178,7 +181,13 @@ def test_main_scores_a_checkpoint_and_names_the_items_left_out(tmp_path, checkpo
         want.append(max(range(4), key=lambda j: lls[j]) == label)
     assert r['acc'] == sum(want) / 2 and r['items'] == 2
     out = capsys.readouterr().out
-    assert f"acc {r['acc']:.4f} ± " in out
+    assert f"acc {r['acc']:.4f} ± {r['acc_se']:.4f}, acc_norm {r['acc_norm']:.4f} ± {r['acc_norm_se']:.4f} " in out
+    # one item has no standard error: said, not 'nan'
+    one = write_items(tmp_path / 'one.jsonl', [('Cat', 'The cat sat on', 'the', ['mat.', 'hat.', 'roof.', 'rug.'], 2)])
+    r = hellaswag.main([f'--out_dir={out_dir}', f'--input={one}', '--batch_size=1'])
+    assert math.isnan(r['acc_se'])
+    assert f"acc {r['acc']:.4f} ± n/a (one item), acc_norm {r['acc_norm']:.4f} ± n/a (one item) over 1 items" in \
+        capsys.readouterr().out
     assert f"over 2 items of {path} ({out_dir}/ckpt.pt, iteration 7, float32; chance 0.25)" in out
     assert ("1 of 3 items left out, not scored (the first, item 1: characters not in the dataset's vocabulary: "
             "'%05'") in out
@@ -215,6 +224,14 @@ def test_errors_name_the_input_and_the_checkpoint(tmp_path, checkpoint):
         hellaswag.main([f'--out_dir={out_dir}', f'--input={empty}'])
     with pytest.raises(TrainError, match=f'no checkpoint at {tmp_path}/elsewhere/ckpt.pt'):
         hellaswag.main([f'--out_dir={tmp_path}/elsewhere', f'--input={empty}'])
+    # a run a scratch run moved aside: named, as train.py's resume names it (the latest of them)
+    for stamp in ('20261101-000000-a', '20261102-000000-b'):
+        os.makedirs(tmp_path / 'moved' / f'previous-{stamp}')
+        shutil.copy(os.path.join(out_dir, 'ckpt.pt'), tmp_path / 'moved' / f'previous-{stamp}')
+    with pytest.raises(TrainError, match=re.escape(
+            f"no checkpoint at {tmp_path}/moved/ckpt.pt; a scratch run moved an earlier run's aside: the latest is "
+            f"{tmp_path}/moved/previous-20261102-000000-b/ckpt.pt")):
+        hellaswag.main([f'--out_dir={tmp_path}/moved', f'--input={empty}'])
     for flag in ('--limit=-1', '--batch_size=0'):
         with pytest.raises(ConfigError, match=f"{flag[2:]} is out of range"):
             hellaswag.main([f'--out_dir={out_dir}', flag])

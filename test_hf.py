@@ -968,8 +968,8 @@ def test_export_bfloat16_and_refusals(tmp_path, capsys):
         assert os.listdir(tmp_path / stale / 'hf') == [stale]
     export.main([f'--out_dir={tmp_path}', '--dtype=bfloat16'])  # into out_dir/hf again: its char_vocab.json too
     # the files it replaced named (they may be another model's, in a directory given as hf_dir)
-    assert (f"iteration 7); replaced the char_vocab.json, config.json, generation_config.json, model.safetensors "
-            f"it held\n") in capsys.readouterr().out
+    assert ("iteration 7); replaced the char_vocab.json, config.json, generation_config.json, model.safetensors "
+            "it held\n") in capsys.readouterr().out
     # the weights as readable as the other files written (safetensors writes them for their owner alone)
     modes = {name: os.stat(tmp_path / 'hf' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}
     assert modes['model.safetensors'] == modes['config.json'], modes
@@ -1066,6 +1066,13 @@ def test_exports_transformers_cannot_express_are_refused_before_hf_dir_is_made(t
         with pytest.raises(ValueError, match=re.escape(message)):
             export.main([f'--out_dir={tmp_path}', f'--ckpt={i}.pt', f'--hf_dir={tmp_path / f"hf{i}"}'])
         assert not os.path.exists(tmp_path / f'hf{i}'), overrides
+    # all that stand in the way, named at once (it named the first: a retrain for it met the next)
+    our_checkpoint(tmp_path / 'all.pt', seed=0, mlp='relu2', logit_softcap=15.0, x0_mix=True)
+    with pytest.raises(ValueError) as e:
+        export.main([f'--out_dir={tmp_path}', '--ckpt=all.pt', f'--hf_dir={tmp_path / "hf_all"}'])
+    assert [m for _, m in refused if m in str(e.value)] == [
+        "mlp='relu2': Llama and Qwen3 use SwiGLU", "logit_softcap=15.0: Llama and Qwen3 do not cap their logits",
+        "x0_mix=True: Llama and Qwen3 have no path"]
 
 
 def test_files_transformers_would_load_beside_an_export_are_refused(tmp_path):

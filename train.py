@@ -977,7 +977,10 @@ def load_checkpoint(path):
     What it returns is a dict (a file that holds anything else is refused); which entries it needs, its reader
     checks."""
     if not os.path.exists(path):
-        raise TrainError(f"no checkpoint at {path}")
+        folder, name = os.path.split(path)
+        earlier = sorted(glob.glob(os.path.join(glob.escape(folder), 'previous-*', name)))
+        raise TrainError(f"no checkpoint at {path}" + (f"; a scratch run moved an earlier run's aside: the latest is "
+                                                       f"{earlier[-1]}" if earlier else ''))
     check_readable(path, '')  # a directory, a file without read permission: one line naming it
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
