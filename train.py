@@ -1692,9 +1692,13 @@ def move_best_aside(r):
 
 
 def move_earlier_run(r):
-    """Move an earlier run's files in out_dir aside (move_aside)."""
+    """Move an earlier run's files in out_dir aside (move_aside), its export (export.py's default hf_dir, out_dir/hf)
+    with them, unless this run starts from that export (init_from=hf:out_dir/hf)."""
     had_checkpoint = os.path.exists(r.ckpt_path)
-    if keep := move_aside(r.cfg.out_dir, (r.ckpt_path, r.best_path, r.metrics_path, r.plot_path)):
+    export = os.path.join(r.cfg.out_dir, 'hf')
+    source = is_hf(r.cfg) and os.path.realpath(r.cfg.init_from[3:]) == os.path.realpath(export)
+    if keep := move_aside(r.cfg.out_dir, (r.ckpt_path, r.best_path, r.metrics_path, r.plot_path,
+                                          *([] if source else [export]))):
         resumable = f" (to continue it: --out_dir={shlex.quote(keep)} --init_from=resume)" if had_checkpoint else ''
         r.say(f"{r.cfg.out_dir} held an earlier run: moved its files to {keep}{resumable}")
 
