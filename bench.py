@@ -790,6 +790,7 @@ def fit(env):
             print(f"  {name:<28} {largest}{flags}{row['note']}", flush=True)
             record['complete'] = len(variants) == len(FIT_VARIANTS)
             # after each variant, whole: a run cut short keeps its rows
+            keep_earlier(env)
             write_whole(os.path.join(env.out, 'fit.json'), json.dumps(record, indent=1))
     finally:  # (else a daemon child ends with this process, or at its pipe's end)
         tries.close()
@@ -1029,6 +1030,7 @@ def profile(env):
     lines += gaps
     text = '\n'.join(lines) + '\n'
     os.makedirs(env.out, exist_ok=True)
+    keep_earlier(env)
     with open(os.path.join(env.out, 'profile.md'), 'w') as f:
         f.write(text)
     print(text + f"\nwrote {env.out}/profile.md")
@@ -1172,11 +1174,18 @@ def main(argv):
     train.probe_out_dir(env.out, 'out')  # now, not after minutes of measurements
     for key, note in no_effect(env.meta['variants'], env.device_type).items():
         print(f"warning: {key}={env.meta['variants'][key]!r} has {note}")
-    # an earlier run's results are kept, never overwritten, nor left beside this run's (a chart of another run)
-    if keep := train.move_aside(env.out, [os.path.join(env.out, name) for name in OUTPUTS[env.mode]]):
-        print(f"{env.out} held an earlier run's {', '.join(OUTPUTS[env.mode])}: moved to {keep}")
     with rope_variant(env.rope):
         return {'ladder': run_ladder, 'fit': fit, 'profile': profile}[env.mode](env)
+
+
+def keep_earlier(env):
+    """Before this run's first write: an earlier run's results in out/ (this mode's files) moved aside, never
+    overwritten nor left beside this run's (a chart of another run). A run that stops before it writes (a rung that
+    cannot run here) moves nothing."""
+    if not getattr(env, 'kept', False):
+        if keep := train.move_aside(env.out, [os.path.join(env.out, name) for name in OUTPUTS[env.mode]]):
+            print(f"{env.out} held an earlier run's {', '.join(OUTPUTS[env.mode])}: moved to {keep}")
+        env.kept = True
 
 
 def write_whole(path, text):
@@ -1194,6 +1203,7 @@ def run_ladder(env):
     os.makedirs(env.out, exist_ok=True)
 
     def save(rows, complete=False):  # after every rung: a run cut short (a time limit, a crash) keeps its rows
+        keep_earlier(env)
         meta.update(runtime_s=round(time.time() - t0, 1), complete=complete)
         write_whole(os.path.join(env.out, 'bench.json'), json.dumps(dict(meta, rungs=rows), indent=1))
         write_whole(os.path.join(env.out, 'bench.md'), table := markdown(rows, meta))

@@ -620,6 +620,13 @@ def test_an_earlier_runs_results_are_moved_aside_not_overwritten(tmp_path, capsy
     assert all((tmp_path / name).exists() for name in names)
     assert (tmp_path / other).read_text() == 'the other mode' and (tmp_path / 'other.md').exists()
     assert f"{tmp_path} held an earlier run's {', '.join(names)}: moved to {keep}" in capsys.readouterr().out
+    # a run that stops before it writes (a rung that cannot run here) moves nothing
+    now = {name: (tmp_path / name).read_bytes() for name in names}
+    if mode == 'profile':
+        with pytest.raises(bench.BenchError, match='rung 12 .* cannot run here'):
+            bench.main([*flags, '--rungs=12'])
+        assert {name: (tmp_path / name).read_bytes() for name in names} == now
+        assert len(list(tmp_path.glob('previous-*'))) == 1
 
 
 def test_variants_that_do_nothing_off_cuda_are_said_so(tmp_path, capsys):

@@ -21,6 +21,7 @@ import re
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -798,9 +799,8 @@ def flipped_in_a_tensor(data):
     no structure (the archive's records, found by zipfile)."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:  # (not data.pkl, the pickle, which can be the largest)
         record = max((r for r in archive.infolist() if '/data/' in r.filename), key=lambda r: r.file_size)
-    start = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra)  # the local header's size
-    assert data[start - len(record.extra) - len(record.filename.encode()):start - len(record.extra)] == \
-        record.filename.encode()
+    name_length, extra_length = struct.unpack('<HH', data[record.header_offset + 26:record.header_offset + 30])
+    start = record.header_offset + 30 + name_length + extra_length  # past the record's local header
     broken = bytearray(data)
     broken[start + record.file_size // 2] ^= 0x7f
     return bytes(broken)
@@ -828,6 +828,23 @@ def test_broken_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, how):
             how, 'is not a checkpoint: not the zip archive torch.save writes')):
         train.load_checkpoint(str(path))
     assert not glob.glob(str(out / 'previous-*'))
+
+
+def test_checkpoints_written_without_crcs_or_in_torchs_legacy_format_load(tmp_path, monkeypatch):
+    # Reference: the state saved. torch.save gives each record a CRC-32 unless
+    # torch.utils.serialization.config.save.compute_crc32 is False (then every record's is 0: nothing to check, not a
+    # corrupt file); torch's legacy format is no zip archive and has none
+    from torch.utils.serialization import config
+    state = {'model': {'w': torch.arange(6.0)}, 'iter_num': 3}
+    monkeypatch.setattr(config.save, 'compute_crc32', False)
+    torch.save(state, tmp_path / 'no_crc.pt')
+    monkeypatch.undo()
+    with zipfile.ZipFile(tmp_path / 'no_crc.pt') as archive:
+        assert {r.CRC for r in archive.infolist()} == {0}
+    torch.save(state, tmp_path / 'legacy.pt', _use_new_zipfile_serialization=False)
+    assert read_bytes(tmp_path / 'legacy.pt')[:4] != b'PK\x03\x04'
+    for name in ('no_crc.pt', 'legacy.pt'):
+        assert_same(train.load_checkpoint(str(tmp_path / name)), state, name)
 
 
 def test_truncated_checkpoint_cli_exits_nonzero_without_traceback(data, tmp_path):
@@ -1046,13 +1063,14 @@ def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_pa
     # worse model replaced it). The checkpoint's own iteration (2) is evaluated again, on what is measured now; so
     # is a finished run's (4), which has no evaluation to come.
     out = tmp_path / 'out'
-    other, extra = (write_data(tmp_path / 'other', seed=1), []) if change == 'data_dir' else (data, [change])
+    # (other data of other sizes: data_dir's change alone is named, the directory being another)
+    other, extra = (write_data(tmp_path / 'other', seed=1, n_val=300), []) if change == 'data_dir' else (data, [change])
     scripted_eval(monkeypatch, [5.0, 4.0])
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     best = read_bytes(out / 'best.pt')
     if change == 'prepared again':
         extra = []
-        write_data(data, n_val=500, seed=1)  # the same vocabulary; 500 val tokens, not 400
+        write_data(data, n_train=2100, n_val=500, seed=1)  # the same vocabulary, other token counts
     save_log.clear()
     scripted_eval(monkeypatch, [4.5, 4.7])
     capsys.readouterr()
@@ -1060,10 +1078,11 @@ def test_resume_with_other_validation_data_resets_the_best_val_loss(data, tmp_pa
     key = 'the data (meta.json)' if change == 'prepared again' else change.removeprefix('--').split('=')[0]
     printed = capsys.readouterr().out
     assert (f"best val loss reset: {key} changed, which decides what the val loss measures; the next evaluation's "
-            f"model is written to {out / 'best.pt'}") in printed
-    assert (f"warning: {data} holds other data than the checkpoint's run trained on (meta.json: val_tokens 400 -> "
-            f"500): the training batches go on at the checkpoint's place in it" in printed) == (change ==
-                                                                                                 'prepared again')
+            f"model is written to {out / 'best.pt'} (the earlier one moved aside then)") in printed
+    assert (f"warning: {data} holds other data than the checkpoint's run trained on (meta.json: train_tokens 2000 "
+            f"-> 2100, val_tokens 400 -> 500): the training batches go on at the checkpoint's place in it"
+            in printed) == (change == 'prepared again')
+    assert ('holds other data' in printed) == (change == 'prepared again')
     [keep] = glob.glob(str(out / 'previous-*'))
     assert os.listdir(keep) == ['best.pt'] and read_bytes(os.path.join(keep, 'best.pt')) == best
     assert f"{out / 'best.pt'}, the best under the checkpoint's settings, moved to {keep}" in printed
@@ -2324,29 +2343,50 @@ def test_a_second_run_in_an_out_dir_in_use_is_refused_before_it_touches_it(data,
             assert run_files(out) == before and not glob.glob(str(out / 'previous-*'))
     finally:
         os.close(other)
+    def released():
+        probe = os.open(out, os.O_RDONLY)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no BlockingIOError
+        finally:
+            os.close(probe)
     with pytest.raises(train.TrainError, match='another shape'):  # fails in setup, after taking the lock
         train.main(args(data, out, '--max_iters=4', '--init_from=resume', '--n_layer=2'))
+    released()  # (else a notebook whose main raised held it until its kernel restarts)
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume')) == 0
-    probe = os.open(out, os.O_RDONLY)
-    try:
-        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: no BlockingIOError
-    finally:
-        os.close(probe)
+    released()
 
 
-def test_a_resume_whose_best_val_loss_reset_fails_later_leaves_best_pt(data, tmp_path, monkeypatch):
-    # Reference: best.pt's bytes. A resume that would reset the best val loss (batch_size) but stops on a later
-    # check (compile's, after the checkpoint has loaded) moves nothing aside: best.pt is moved at the end of setup,
-    # as a scratch run's files
+def test_an_out_dir_that_cannot_be_locked_trains_with_a_warning(data, tmp_path, monkeypatch, capsys):
+    # Reference: the run's own end (its checkpoint at max_iters). A file system without locks (flock: ENOLCK) is no
+    # reason to refuse a run; it says that another one would not be stopped
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, 'No locks available')
+    monkeypatch.setattr(fcntl, 'flock', no_locks)
+    out = tmp_path / 'out'
+    assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
+    assert load(out / 'ckpt.pt')['iter_num'] == 2
+    assert (f"warning: out_dir {out} cannot be locked (No locks available; a file system without locks?): another "
+            f"train.py run into it would not be stopped") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('where', ['setup', 'evaluation'])
+def test_a_resume_whose_best_val_loss_reset_stops_before_its_best_leaves_best_pt(data, tmp_path, monkeypatch, where):
+    # Reference: best.pt's bytes. A resume that would reset the best val loss (batch_size) but stops before it
+    # writes a best.pt of its own (a check late in setup, compile's; its first evaluation) moves nothing aside.
+    # The checkpoint still holds the old best val loss, so a resume on the old settings resets nothing: had best.pt
+    # moved, it would never be written again by losses above that best
     out = tmp_path / 'out'
     assert train.main(args(data, out, '--eval_interval=2', '--max_iters=2')) == 0
     best = read_bytes(out / 'best.pt')
 
-    def compile_model(r):
-        raise train.TrainError('compile: a failure of setup after the checkpoint has loaded')
-    monkeypatch.setattr(train, 'compile_model', compile_model)
-    with pytest.raises(train.TrainError, match='after the checkpoint has loaded'):
-        train.main(args(data, out, '--max_iters=4', '--init_from=resume', '--batch_size=2'))
+    def fail(*args):
+        raise train.TrainError(f'{where}: a failure after the checkpoint has loaded')
+    with monkeypatch.context() as patch:
+        patch.setattr(train, 'compile_model' if where == 'setup' else 'estimate_loss', fail)
+        with pytest.raises(train.TrainError, match='after the checkpoint has loaded'):
+            train.main(args(data, out, '--eval_interval=2', '--max_iters=4', '--init_from=resume', '--batch_size=2'))
     assert read_bytes(out / 'best.pt') == best and not glob.glob(str(out / 'previous-*'))
 
 
@@ -2388,8 +2428,9 @@ def test_a_changed_seed_on_resume_changes_the_evaluation_batches_only(data, tmp_
     assert train.main(args(data, b, '--eval_interval=10', '--max_iters=4', '--dropout=0.1', '--init_from=resume',
                            '--seed=9')) == 0
     printed = capsys.readouterr().out
-    assert ("\n  seed: 1337 -> 9  (the training batches and RNG streams go on from the checkpoint's; the evaluation "
-            "batches take it)\n") in printed and printed.count('seed: 1337 -> 9') == 1
+    assert ("\n  seed: 1337 -> 9  (the data sampler and the checkpoint's RNG streams go on as saved; it reaches only "
+            "what starts anew: sampled evaluation batches, RNG streams of processes the checkpoint lacked)\n"
+            ) in printed and printed.count('seed: 1337 -> 9') == 1
     losses = [{r['iter']: r['loss'] for r in read_metrics(out) if 'loss' in r} for out in (a, b)]
     assert losses[0] == losses[1] and set(losses[0]) == {1, 2, 3, 4}
 
@@ -2450,3 +2491,22 @@ def test_the_config_printed_at_start_holds_the_config_keys_and_apart_the_models_
                            'rope_original_max_len'}
     assert ("model fields that are not config keys (init_from=hf:PATH reads them from config.json): "
             + ", ".join(f"{k}={v!r}" for k, v in fields.items())) in out
+
+
+def test_say_silences_only_the_stream_whose_reader_went_away(monkeypatch, capsys):
+    # Reference: the pipe's own end. A broken stderr (its reader gone) goes to /dev/null from then on, and stdout
+    # still prints (the recipe had put /dev/null on stdout whatever the stream); a closed stdout (Python has None
+    # for it) is no AttributeError
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    broken = os.fdopen(write_end, 'w')
+    try:
+        train.say('lost', file=broken)  # EPIPE: its descriptor now /dev/null's
+        train.say('lost too', file=broken)
+        assert os.path.samefile(f'/proc/self/fd/{write_end}', os.devnull)
+    finally:
+        broken.close()
+    train.say('still printed')
+    assert capsys.readouterr().out == 'still printed\n'
+    monkeypatch.setattr(sys, 'stdout', None)
+    train.say('nowhere')

@@ -229,7 +229,7 @@ def test_errors_name_the_input_and_the_checkpoint(tmp_path, checkpoint):
         os.makedirs(tmp_path / 'moved' / f'previous-{stamp}')
         shutil.copy(os.path.join(out_dir, 'ckpt.pt'), tmp_path / 'moved' / f'previous-{stamp}')
     with pytest.raises(TrainError, match=re.escape(
-            f"no checkpoint at {tmp_path}/moved/ckpt.pt; a scratch run moved an earlier run's aside: the latest is "
+            f"no checkpoint at {tmp_path}/moved/ckpt.pt; earlier ones were moved aside: the latest is "
             f"{tmp_path}/moved/previous-20261102-000000-b/ckpt.pt")):
         hellaswag.main([f'--out_dir={tmp_path}/moved', f'--input={empty}'])
     for flag in ('--limit=-1', '--batch_size=0'):

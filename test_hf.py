@@ -1346,7 +1346,7 @@ def test_finetune_says_where_its_weights_come_from_and_how_many(finetune, hf_dir
 def test_a_scratch_run_moves_the_earlier_runs_export_aside_unless_it_starts_from_it(hf_data, tmp_path):
     # Reference: the export's bytes. export.py's default hf_dir, out_dir/hf, is the earlier run's model: a scratch run
     # moves it aside with that run's files (it stayed, beside a run it was not the model of), except where the run
-    # starts from it (init_from=hf:out_dir/hf), which keeps it in place
+    # starts from it (init_from=hf:out_dir/hf, in any spelling), which keeps it in place
     out = tmp_path / 'out'
     scratch = FINETUNE + [f'--data_dir={hf_data}', f'--out_dir={out}', '--max_iters=1', '--n_layer=1', '--n_head=2',
                           '--n_embd=32']
@@ -1358,7 +1358,7 @@ def test_a_scratch_run_moves_the_earlier_runs_export_aside_unless_it_starts_from
     assert files(Path(keep) / 'hf') == exported and not (out / 'hf').exists()
     export.main([f'--out_dir={out}'])
     exported = files(out / 'hf')
-    assert train.main(FINETUNE + [f'--init_from=hf:{out / "hf"}', f'--data_dir={hf_data}', f'--out_dir={out}',
+    assert train.main(FINETUNE + [f'--init_from=hf:{out}/./hf', f'--data_dir={hf_data}', f'--out_dir={out}',
                                   '--max_iters=1']) == 0
     assert files(out / 'hf') == exported
     [second] = set(glob.glob(str(out / 'previous-*'))) - {keep}

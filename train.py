@@ -916,7 +916,7 @@ def tokens_per_byte(meta, splits, device):
     except Exception as e:
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if dist.is_initialized() and dist.get_rank():  # process 0's report can only say that another one failed
-            print(f"process {dist.get_rank()}: bits per byte not reported: {why}", file=sys.stderr)
+            say(f"process {dist.get_rank()}: bits per byte not reported: {why}", file=sys.stderr)
     if not agree(table is not None, device):  # all processes count, or none: a count is a collective
         return {}, f"bits per byte: not reported: {why or 'another process could not count them'}"
     out = {}
@@ -954,7 +954,7 @@ def save_checkpoint(path, state):
         os.replace(tmp, path)
     except BaseException as e:
         space = ''
-        if isinstance(e, Exception) and not isinstance(e, OSError):  # torch's writer's words name no cause ('[enforce
+        if isinstance(e, RuntimeError):  # torch's writer's words name no cause ('[enforce
             with suppress(OSError):  # fail at inline_container.cc:672] . unexpected pos'): a full disk shows here
                 free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
                 space = f"; {free / 2**20:,.1f} MiB free on its disk, the part written included"
@@ -979,8 +979,8 @@ def load_checkpoint(path):
     if not os.path.exists(path):
         folder, name = os.path.split(path)
         earlier = sorted(glob.glob(os.path.join(glob.escape(folder), 'previous-*', name)))
-        raise TrainError(f"no checkpoint at {path}" + (f"; a scratch run moved an earlier run's aside: the latest is "
-                                                       f"{earlier[-1]}" if earlier else ''))
+        raise TrainError(f"no checkpoint at {path}" + (f"; earlier ones were moved aside: the latest is {earlier[-1]}"
+                                                       if earlier else ''))
     check_readable(path, '')  # a directory, a file without read permission: one line naming it
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
@@ -1005,9 +1005,10 @@ def load_checkpoint(path):
 def check_crc(path):
     """torch.load reads a checkpoint's archive structure, not the CRC-32 that torch.save writes for each record:
     bytes damaged inside the tensors' data (a bad copy, a bad disk) loaded without a word. zipfile checks them
-    (a record without one, CRC 0, is written so: torch.serialization.config.save.compute_crc32=False)."""
-    if not zipfile.is_zipfile(path):  # torch's legacy format, which torch.load has read
-        return
+    (a record without one, CRC 0, is written so: torch.utils.serialization.config.save.compute_crc32=False)."""
+    with open(path, 'rb') as f:
+        if f.read(4) != b'PK\x03\x04':  # torch's legacy format, which torch.load has read (torch's own test)
+            return
     try:
         with zipfile.ZipFile(path) as archive:
             for record in archive.infolist():
@@ -1193,14 +1194,18 @@ def check_config(cfg):
     check_device(cfg.device)
 
 
-def say(*args, **kwargs):
-    """print, which a reader of stdout that has gone (`| head`) does not stop: the run goes on, its lines in
-    metrics.jsonl (a BrokenPipeError here ended it without saving)."""
+def say(*args, file=None, **kwargs):
+    """print (to stdout, or file), which a reader that has gone (`| head`) does not stop: the run goes on, its
+    lines in metrics.jsonl (a BrokenPipeError here ended it without saving)."""
+    stream = file or sys.stdout
+    if stream is None:  # (a closed stdout: Python has none)
+        return
     try:
-        print(*args, **kwargs)
-        sys.stdout.flush()  # (where a pipe buffers the line, its error shows here)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe: the rest goes nowhere
+        print(*args, file=stream, **kwargs)
+        stream.flush()  # (where a pipe buffers the line, its error shows here)
+    except BrokenPipeError:  # Python's recipe: the rest of this stream goes nowhere
+        with suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 # out_dir's real path -> the descriptor that holds its lock in this process (lock_out_dir)
@@ -1216,16 +1221,20 @@ def lock_out_dir(out_dir):
     except ImportError:  # (Windows)
         return
     unlock_out_dir(out_dir)  # this process's own, from a main() before (tests call it in-process)
-    fd = os.open(out_dir, os.O_RDONLY)
+    fd = None
     try:
+        fd = os.open(out_dir, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         if isinstance(e, BlockingIOError):
             raise TrainError(f"out_dir {out_dir} is in use by another train.py run (it holds the directory's lock): "
                              f"two runs there would write over each other's checkpoints and metrics. Let it finish, "
                              f"stop it, or choose another out_dir") from None
-        return  # no locks on this file system (some network ones)
+        say(f"warning: out_dir {out_dir} cannot be locked ({os_reason(e, out_dir)}; a file system without locks?): "
+            f"another train.py run into it would not be stopped", file=sys.stderr)
+        return
     OUT_DIR_LOCKS[os.path.realpath(out_dir)] = fd
 
 
@@ -1512,11 +1521,9 @@ def setup(cfg, argv, device, rank, world):
         r.parallel_note = f'DDP, {world} processes'
     r.compiled, r.compile_note = compile_model(r)
     r.wandb = start_wandb(r)
-    # last: a start that fails on any check above leaves the earlier run's files where they were
-    earlier = move_earlier_run if cfg.init_from != 'resume' else move_best_aside if r.best_reset else None
-    if earlier:
+    if cfg.init_from != 'resume':  # last: a start that fails on any check above leaves the earlier run where it was
         try:
-            on_master(r, lambda: earlier(r))
+            on_master(r, lambda: move_earlier_run(r))
         except TrainError:
             if r.wandb:  # started above: main's finish comes after setup
                 r.wandb.finish(exit_code=1)
@@ -1533,7 +1540,7 @@ def start_or_resume(r):
     r.metrics_path = os.path.join(cfg.out_dir, 'metrics.jsonl')
     r.plot_path, r.plotted_at = os.path.join(cfg.out_dir, 'metrics.png'), time.time()  # first drawn PLOT_EVERY_S in
     r.iter_num, r.tokens, r.best_val_loss, r.rng, r.metrics_lost = 0, 0, math.inf, None, 0
-    r.best_reset = False  # a resume that resets the best val loss: setup then moves best.pt aside
+    r.best_reset = False  # a resume that resets the best val loss: its first best.pt moves the earlier aside
     r.saved_iter = None  # the iteration of the last checkpoint written (or resumed from)
     r.last_eval = None if cfg.eval_at_start else 0  # iteration 0 counts as evaluated: the loop skips it
     r.init_from = cfg.init_from  # where the weights started, recorded in every checkpoint
@@ -1569,8 +1576,9 @@ def start_or_resume(r):
         saved['muon_dtype'] = before
     changed = config_diff(saved, vars(cfg), [k for k in DEFAULTS if k not in ('init_from', 'seed', *START_KEYS)])
     changed += [f"{line}  (no effect on a resumed run)" for line in config_diff(saved, vars(cfg), START_KEYS)]
-    changed += [f"{line}  (the training batches and RNG streams go on from the checkpoint's; the evaluation "
-                f"batches take it)" for line in config_diff(saved, vars(cfg), ['seed'])]
+    changed += [f"{line}  (the data sampler and the checkpoint's RNG streams go on as saved; it reaches only what "
+                f"starts anew: sampled evaluation batches, RNG streams of processes the checkpoint lacked)"
+                for line in config_diff(saved, vars(cfg), ['seed'])]
     if changed:
         say("resuming with changed settings (checkpoint -> now):\n" + "\n".join(changed))
     if optimizer_diff := config_diff(saved, vars(cfg), OPTIMIZER_KEYS):
@@ -1591,8 +1599,9 @@ def start_or_resume(r):
     if r.iter_num < cfg.max_iters and not math.isclose(was, now, rel_tol=1e-6):  # (max_iters: lr_decay_iters=0's)
         say(f"warning: the learning rate of iteration {r.iter_num} is {now:.3e} under this run's schedule, "
             f"{was:.3e} under the checkpoint's: it changes at once, by the settings above")
+    same_dir = os.path.realpath(saved['data_dir']) == os.path.realpath(cfg.data_dir)  # (another: eval_changes says)
     data_changed = [f"{k} {ckpt['meta'][k]} -> {r.meta[k]}" for k in ('train_tokens', 'val_tokens')
-                    if k in ckpt['meta'] and k in r.meta and ckpt['meta'][k] != r.meta[k]]
+                    if same_dir and k in ckpt['meta'] and k in r.meta and ckpt['meta'][k] != r.meta[k]]
     if data_changed:  # prepared again (another input, another val_fraction): same vocabulary, other tokens
         say(f"warning: {cfg.data_dir} holds other data than the checkpoint's run trained on (meta.json: "
             f"{', '.join(data_changed)}): the training batches go on at the checkpoint's place in it")
@@ -1608,7 +1617,8 @@ def start_or_resume(r):
     changed = eval_changes(saved, vars(cfg)) + (["the data (meta.json)"] if data_changed else [])
     if changed and r.best_val_loss < math.inf:
         say(f"best val loss reset: {', '.join(changed)} changed, which decide{'s' * (len(changed) == 1)} what the "
-            f"val loss measures; the next evaluation's model is written to {r.best_path}")
+            f"val loss measures; the next evaluation's model is written to {r.best_path} (the earlier one moved "
+            f"aside then)")
         r.best_val_loss, r.best_reset = math.inf, True
         r.last_eval = None  # its evaluation measured something else: evaluate again if its iteration is one to evaluate
     on_master(r, lambda: truncate_metrics(r.metrics_path, r.iter_num, say))
@@ -1685,8 +1695,9 @@ def move_aside(out_dir, paths):
 
 
 def move_best_aside(r):
-    """A resume that resets the best val loss keeps the best.pt of what it measured before: the next evaluation
-    writes its own (a resume at another batch_size wrote a worse model over it)."""
+    """A resume that resets the best val loss keeps the best.pt of what it measured before, moved aside as its own
+    first best.pt is written (a resume at another batch_size wrote a worse model over it). Until then it stays in
+    place: a resumed run that stops before, and a resume after it on the old settings, have it where it was."""
     if keep := move_aside(r.cfg.out_dir, [r.best_path]):
         r.say(f"{r.best_path}, the best under the checkpoint's settings, moved to {keep}")
 
@@ -2079,7 +2090,7 @@ def log_metrics(r, record):
             with suppress(OSError):
                 os.truncate(r.metrics_path, start)
         if not r.metrics_lost:  # one warning per stretch of failures, not one per line
-            print(f"warning: cannot write {r.metrics_path} ({os_reason(e, r.metrics_path)}); training goes on, "
+            say(f"warning: cannot write {r.metrics_path} ({os_reason(e, r.metrics_path)}); training goes on, "
                   f"its lines are printed but not logged until a write succeeds", file=sys.stderr)
         r.metrics_lost += 1
         return
@@ -2103,7 +2114,7 @@ def plot_metrics(r, final=False):
     try:
         plot.draw({r.cfg.out_dir: records}, r.plot_path)
     except Exception as e:
-        print(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
+        say(f"warning: could not draw {r.plot_path} ({type(e).__name__}: {e}); training goes on", file=sys.stderr)
 
 
 def evaluate(r):
@@ -2120,6 +2131,9 @@ def evaluate(r):
     r.last_eval = r.iter_num
     improved = losses['val'] < r.best_val_loss
     r.best_val_loss = min(r.best_val_loss, losses['val'])
+    if improved and r.best_reset:  # the first best.pt since a resume's reset: the earlier one kept
+        on_master(r, lambda: move_best_aside(r))
+        r.best_reset = False
     save(r, *([r.best_path] if improved else []), r.ckpt_path)
     return time.time() - start
 
