@@ -830,15 +830,17 @@ def test_broken_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, how):
     assert not glob.glob(str(out / 'previous-*'))
 
 
-def test_checkpoints_written_without_crcs_or_in_torchs_legacy_format_load(tmp_path, monkeypatch):
+def test_checkpoints_written_without_crcs_or_in_torchs_legacy_format_load(tmp_path):
     # Reference: the state saved. torch.save gives each record a CRC-32 unless
     # torch.utils.serialization.config.save.compute_crc32 is False (then every record's is 0: nothing to check, not a
     # corrupt file); torch's legacy format is no zip archive and has none
     from torch.utils.serialization import config
     state = {'model': {'w': torch.arange(6.0)}, 'iter_num': 3}
-    monkeypatch.setattr(config.save, 'compute_crc32', False)
-    torch.save(state, tmp_path / 'no_crc.pt')
-    monkeypatch.undo()
+    config.save.compute_crc32 = False  # (not monkeypatch: its undo deletes a config module's entry)
+    try:
+        torch.save(state, tmp_path / 'no_crc.pt')
+    finally:
+        config.save.compute_crc32 = True
     with zipfile.ZipFile(tmp_path / 'no_crc.pt') as archive:
         assert {r.CRC for r in archive.infolist()} == {0}
     torch.save(state, tmp_path / 'legacy.pt', _use_new_zipfile_serialization=False)
