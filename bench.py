@@ -57,9 +57,9 @@ than one step's loss; from 20 timed steps on, bench.md gives each rung's mean ov
 The learning rate is train.py's, constant, or warmed up linearly over the first steps (--lr_warmup).
 Written to out/: bench.json, bench.md and bench.png (tokens/s, peak and activation memory), with device,
 torch, model, batch, date and command line (fit: fit.json; profile: profile.md); an earlier run's are moved to
-out/previous-<date-time>-<random>/ first. A rung that fails (out of memory, say) makes the exit code 1, after the
-ladder has run on and its results are written. On the CPU, --threads sets torch's threads (a busy machine can be
-faster on fewer).
+out/previous-<date-time>-<random>/ as this run first writes (keep_earlier). A rung that fails (out of memory, say)
+makes the exit code 1, after the ladder has run on and its results are written. On the CPU, --threads sets torch's
+threads (a busy machine can be faster on fewer).
 """
 import collections
 import gc

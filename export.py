@@ -219,7 +219,7 @@ def hf_config(c, eot, dtype):
                    "the exported model would compute something else; train with x0_mix=False to export"),
         (c.mlp != 'swiglu', f"mlp={c.mlp!r}: Llama and Qwen3 use SwiGLU, so transformers has no architecture for "
                             f"this model; train with mlp='swiglu' to export")) if unmet]
-    if refused:  # each of them: one at a time, a retrain for the first found the next
+    if refused:  # all of them at once: named one at a time, a retrain for the first met the next
         raise ValueError('. '.join(refused))
     arch = 'Qwen3ForCausalLM' if c.qk_norm else 'LlamaForCausalLM'
     config = dict(architectures=[arch], model_type='qwen3' if c.qk_norm else 'llama', vocab_size=c.vocab_size,

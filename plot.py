@@ -105,8 +105,8 @@ def draw(runs, path, bpb=False):
                 by_tokens.plot([t for t, _ in known], [v for _, v in known], color=color, **visible(known, style))
         for field, ax in panels.items():
             if field in curves:
-                ax.plot(curves[field][0], curves[field][2], color=color, label=label, **visible(curves[field][0],
-                                                                                                 dict(lw=1)))
+                iters, _, values = curves[field]
+                ax.plot(iters, values, color=color, label=label, **visible(iters, dict(lw=1)))
     titles = [(measure, 'iteration'), (measure, 'tokens'), *((title, 'iteration') for title in BY_ITERATION.values())]
     for ax, (title, x) in zip(axes.flat, titles):
         ax.set_title(f'{title} vs {x}', fontsize=10)

@@ -1215,7 +1215,7 @@ OUT_DIR_LOCKS = {}
 def lock_out_dir(out_dir):
     """Lock out_dir for this run (flock on the directory itself, which the system releases when the process ends,
     however it ends): a second train.py into the same out_dir is an error, not two runs writing over each other's
-    checkpoints and metrics. On a file system that cannot lock, the run goes on without."""
+    checkpoints and metrics. On a file system that cannot lock, the run goes on with a warning."""
     try:
         import fcntl
     except ImportError:  # (Windows)
@@ -2091,7 +2091,7 @@ def log_metrics(r, record):
                 os.truncate(r.metrics_path, start)
         if not r.metrics_lost:  # one warning per stretch of failures, not one per line
             say(f"warning: cannot write {r.metrics_path} ({os_reason(e, r.metrics_path)}); training goes on, "
-                  f"its lines are printed but not logged until a write succeeds", file=sys.stderr)
+                f"its lines are printed but not logged until a write succeeds", file=sys.stderr)
         r.metrics_lost += 1
         return
     if r.metrics_lost:
