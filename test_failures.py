@@ -2335,7 +2335,7 @@ def test_a_second_run_in_an_out_dir_in_use_is_refused_before_it_touches_it(data,
         f.write(json.dumps({'iter': 3, 'loss': 1.0}) + '\n')  # a line past the checkpoint, which a resume cuts
     before = run_files(out)
     other = os.open(out, os.O_RDONLY)
-    fcntl.flock(other, fcntl.LOCK_EX)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a lock the run leaked fails here, never hangs)
     try:
         for extra in ([], ['--init_from=resume']):
             with pytest.raises(train.TrainError, match=re.escape(
