@@ -1121,13 +1121,15 @@ def test_wrong_type_in_config_file(tmp_path):
         configure(train.DEFAULTS, [str(path)])
 
 
-def test_a_key_set_twice_in_a_config_file_takes_the_last_value(tmp_path):
-    # Reference: Python's own run of the file (runpy), where the later assignment wins
+def test_a_key_set_twice_in_a_config_file_or_by_two_flags_takes_the_last_value(tmp_path):
+    # Reference: Python's own run of the file (runpy), where the later assignment wins; for flags, the README's rule
+    # (a script appends flags to override its own)
     path = tmp_path / 'cfg.py'
     path.write_text("n_layer = 3\nbatch_size = 5\nn_layer = 4\n")
     ran = runpy.run_path(str(path))
     cfg = configure(train.DEFAULTS, [str(path)])
     assert (cfg['n_layer'], cfg['batch_size']) == (ran['n_layer'], ran['batch_size']) == (4, 5)
+    assert configure(train.DEFAULTS, ['--learning_rate=1e-3', '--learning_rate=2e-3'])['learning_rate'] == 2e-3
 
 
 def test_int_accepted_for_float(tmp_path):
