@@ -2406,19 +2406,15 @@ def test_a_resume_whose_schedule_moves_the_learning_rate_warns_with_both(data, t
     assert train.main(first) == 0
     capsys.readouterr()
     assert train.main([*first, '--init_from=resume', *flags]) == 0
-    saved = SimpleNamespace(**configure_dict(first))
-    now = SimpleNamespace(**configure_dict([*first, *flags]))
+    saved = SimpleNamespace(**configure(train.DEFAULTS, first))
+    now = SimpleNamespace(**configure(train.DEFAULTS, [*first, *flags]))
     line = (f"warning: the learning rate of iteration 4 is {train.get_lr(4, now):.3e} under this run's schedule, "
             f"{train.get_lr(4, saved):.3e} under the checkpoint's: it changes at once, by the settings above")
     assert (line in capsys.readouterr().out) == jumps
     assert (abs(train.get_lr(4, now) / train.get_lr(4, saved) - 1) > 0.01) == (jumps or '--min_lr=2e-3' in flags)
 
 
-def configure_dict(argv):
-    return configure(train.DEFAULTS, argv, train.__file__)
-
-
-def test_a_changed_seed_on_resume_changes_the_evaluation_batches_only(data, tmp_path, capsys):
+def test_a_changed_seed_on_resume_reaches_only_what_starts_anew(data, tmp_path, capsys):
     # Reference: the losses of a resume without the change, from a copy of the same checkpoint. The data sampler
     # and RNG streams go on from the checkpoint's (it said the seed "takes effect" as other settings do): the
     # training losses after it are the same; the line says so

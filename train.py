@@ -977,8 +977,7 @@ def load_checkpoint(path):
     What it returns is a dict (a file that holds anything else is refused); which entries it needs, its reader
     checks."""
     if not os.path.exists(path):
-        folder, name = os.path.split(path)
-        earlier = sorted(glob.glob(os.path.join(glob.escape(folder), 'previous-*', name)))
+        earlier = moved_copies(path)
         raise TrainError(f"no checkpoint at {path}" + (f"; earlier ones were moved aside: the latest is {earlier[-1]}"
                                                        if earlier else ''))
     check_readable(path, '')  # a directory, a file without read permission: one line naming it
@@ -1000,6 +999,12 @@ def load_checkpoint(path):
         raise TrainError(f"{path} is not a checkpoint: it holds a {type(ckpt).__name__}, not a dict of named entries")
     check_crc(path)
     return ckpt
+
+
+def moved_copies(path):
+    """The copies of the file at path that were moved aside (move_aside: its folder's previous-*/), oldest first."""
+    folder, name = os.path.split(path)
+    return sorted(glob.glob(os.path.join(glob.escape(folder), 'previous-*', name)))
 
 
 def check_crc(path):
@@ -1548,8 +1553,7 @@ def start_or_resume(r):
         if is_hf(cfg):
             r.init_from = start_from_hf(r)
         return None
-    if not os.path.exists(r.ckpt_path) and (earlier := sorted(glob.glob(os.path.join(glob.escape(cfg.out_dir),
-                                                                                     'previous-*', 'ckpt.pt')))):
+    if not os.path.exists(r.ckpt_path) and (earlier := moved_copies(r.ckpt_path)):
         raise TrainError(f"no checkpoint at {r.ckpt_path}; a scratch run moved an earlier run's aside: to continue "
                          f"the latest, --out_dir={shlex.quote(os.path.dirname(earlier[-1]))} --init_from=resume")
     ckpt = load_checkpoint(r.ckpt_path)
